@@ -1,0 +1,1 @@
+"""Shared pieces every template needs: config, accelerator, data, checkpoints, tracking."""
