@@ -1,0 +1,275 @@
+"""One dataclass per template becomes its command line (and its optional YAML file).
+
+    @dataclass
+    class Config:
+        learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate."})
+
+    config = parse_config(Config)  # --learning_rate=1e-4 | --learning-rate 1e-4 | --config run.yaml
+
+Values come from three places: a person typing, `wandb agent` (which passes Python `str()`
+of each sampled value: `True`, `[64, 128]`, `0.00031`, sometimes `64.0` for an int) and YAML
+files. All three go through the same coercion, so a sweep can set anything a person can.
+Precedence: dataclass defaults < `--config` files (in the order given) < other options.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from common.errors import UsageError
+
+T = TypeVar("T")
+
+_NONE = {"none", "null"}
+_TRUE = {"true", "1", "yes"}
+_FALSE = {"false", "0", "no"}
+_SCALARS = (int, float, str, bool)
+_EXPECTED = {int: "an integer", float: "a number", str: "a string", bool: "true/false"}
+
+
+class ConfigError(UsageError):
+    """A command-line option or config-file entry is wrong; the message is one line naming it."""
+
+
+def parse_config(config_cls: type[T], argv: list[str] | None = None) -> T:
+    """Build `config_cls` from its defaults, then `--config` YAML files, then `--key=value` options."""
+    if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
+        raise TypeError(f"parse_config needs a @dataclass class, got {config_cls!r}")
+    field_types = _field_types(config_cls)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Help wins over any other mistake on the line: someone asking for help wants the listing.
+    if "-h" in argv or "--help" in argv:
+        print(format_help(config_cls))
+        sys.exit(0)
+
+    files, given = _split_argv(argv, field_types)
+    from_files: dict[str, tuple[Any, str]] = {}
+    for path in files:
+        for key, value in _load_yaml(path).items():
+            name = str(key).replace("-", "_")
+            if name not in field_types:
+                hint = _did_you_mean(name, field_types, "")
+                raise ConfigError(f"config file {path}: unknown key {str(key)!r}{hint}")
+            from_files[name] = (value, f"config file {path}: {key}")
+    given = {**from_files, **given}
+
+    missing = [f"--{f.name}" for f in dataclasses.fields(config_cls)
+               if f.name in field_types and f.name not in given and _default(f) is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"missing required option {', '.join(missing)}")
+
+    kwargs = {name: _coerce(field_types[name], value, where) for name, (value, where) in given.items()}
+    try:
+        return config_cls(**kwargs)
+    except ValueError as error:  # range checks in the template's __post_init__
+        message = " ".join(str(error).split("\n")).strip() or f"invalid {config_cls.__name__}"
+        raise ConfigError(message) from error
+
+
+def config_to_dict(config: Any) -> dict:
+    """The config as a plain JSON-able dict, for logging and run metadata."""
+    return dataclasses.asdict(config)
+
+
+def format_help(config_cls: type) -> str:
+    """The `--help` text: every option with its type, default and help."""
+    field_types = _field_types(config_cls)
+    prog = os.path.basename(sys.argv[0]) or "train.py"
+    lines = [f"usage: {prog} [--config FILE] [--option=VALUE ...]", ""]
+    doc = (config_cls.__doc__ or "").strip()
+    if doc and not doc.startswith(f"{config_cls.__name__}("):  # skip dataclass's generated signature
+        lines += [doc.split("\n\n")[0], ""]
+    rows = []
+    for f in dataclasses.fields(config_cls):
+        if f.name not in field_types:
+            continue
+        default = _default(f)
+        shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
+        rows.append((f"--{f.name} {_type_name(field_types[f.name])}", shown, f.metadata.get("help", "")))
+    rows.append(("--config FILE", "", "YAML mapping of option names to values; the command line wins."))
+    rows.append(("-h, --help", "", "Show this message and exit."))
+    width = max(len(left) for left, _, _ in rows)
+    lines.append("options (write --name=value or --name value; - and _ are interchangeable):")
+    for left, shown, help_text in rows:
+        lines.append(f"  {left.ljust(width)}  {shown}".rstrip())
+        if help_text:
+            lines.append(f"      {help_text}")
+    return "\n".join(lines)
+
+
+def _field_types(config_cls: type) -> dict[str, Any]:
+    # get_type_hints resolves string annotations, so `from __future__ import annotations` works.
+    hints = typing.get_type_hints(config_cls)
+    out = {}
+    for f in dataclasses.fields(config_cls):
+        if not f.init:
+            continue
+        if f.name == "config":
+            raise TypeError(f"{config_cls.__name__}: field name 'config' is reserved for --config FILE")
+        inner, _ = _unwrap_optional(hints[f.name])
+        origin, args = typing.get_origin(inner), typing.get_args(inner)
+        if not (inner in _SCALARS or (origin is list and len(args) == 1 and args[0] in _SCALARS)
+                or (origin is Literal and all(isinstance(a, (str, int)) for a in args))):
+            # A template author's mistake, not the user's: fail loudly, not as a usage error.
+            raise TypeError(f"{config_cls.__name__}.{f.name}: unsupported type {hints[f.name]!r}")
+        out[f.name] = hints[f.name]
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        rest = [a for a in args if a is not type(None)]
+        if len(args) == 2 and len(rest) == 1:
+            return rest[0], True
+        raise TypeError(f"unsupported union type {tp!r} (only Optional[X] is supported)")
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _unwrap_optional(tp)
+    origin, args = typing.get_origin(inner), typing.get_args(inner)
+    if origin is list:
+        name = f"list[{args[0].__name__}]"
+    elif origin is Literal:
+        name = "{" + ",".join(map(str, args)) + "}"
+    else:
+        name = inner.__name__
+    return f"{name}|none" if optional else name
+
+
+def _did_you_mean(name: str, candidates: typing.Iterable[str], prefix: str) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _split_argv(argv: list[str], field_types: dict[str, Any]) -> tuple[list[str], dict[str, tuple[Any, str]]]:
+    """Return (config files, {field: (raw string, option as written)})."""
+    files, given = [], {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument {token!r}: positional arguments are not allowed"
+                              " (write options as --name=value; see --help)")
+        key, has_value, value = token[2:].partition("=")
+        name = key.replace("-", "_")
+        if name != "config" and name not in field_types:
+            raise ConfigError(f"unknown option --{key}{_did_you_mean(name, [*field_types, 'config'], '--')}")
+        if not has_value:
+            # Negative numbers start with a single dash, so only `--` marks the next option.
+            next_is_value = i < len(argv) and not argv[i].startswith("--")
+            if next_is_value:
+                value = argv[i]
+                i += 1
+            elif name != "config" and _unwrap_optional(field_types[name])[0] is bool:
+                value = "true"  # bare --flag
+            else:
+                raise ConfigError(f"--{key}: missing value")
+        if name == "config":
+            files.append(value)
+        else:
+            given[name] = (value, f"--{key}")
+    return files, given
+
+
+def _load_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = yaml.safe_load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except (OSError, UnicodeDecodeError) as error:  # a directory, no permission, not UTF-8
+        reason = getattr(error, "strerror", None) or error
+        raise ConfigError(f"config file {path}: cannot read it ({reason})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        reason = getattr(error, "problem", None) or str(error).split("\n")[0]
+        raise ConfigError(f"config file {path}: not valid YAML ({reason}{where})") from None
+    if data is None:  # an empty file sets nothing
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of option names to values,"
+                          f" got a {type(data).__name__}")
+    return data
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    inner, optional = _unwrap_optional(tp)
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+        return None
+    origin = typing.get_origin(inner)
+    if origin is list:
+        return [_scalar(typing.get_args(inner)[0], item, where) for item in _as_list(value)]
+    if origin is Literal:
+        choices = typing.get_args(inner)
+        if not isinstance(value, (list, dict)):
+            for choice in choices:  # compare as text: a YAML 1 and a CLI "1" both match Literal[1]
+                if str(value).strip() == str(choice):
+                    return choice
+        raise ConfigError(f"{where}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+    return _scalar(inner, value, where)
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if not isinstance(value, str):
+        return [value]  # a YAML scalar for a list field
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        try:  # wandb agent passes str() of a list: "[64, 128]" or "['a', 'b']"
+            parsed = ast.literal_eval(text)
+            if isinstance(parsed, list):
+                return parsed
+        except (ValueError, SyntaxError):
+            pass
+        text = text[1:-1]  # unquoted strings, "[a, b]"
+    return [part.strip() for part in text.split(",")] if text.strip() else []
+
+
+def _scalar(tp: type, value: Any, where: str) -> Any:
+    if value is not None and not isinstance(value, (list, tuple, dict)):
+        # Non-strings come from YAML or literal_eval; treat them as their text so every
+        # source follows the same rules (and PyYAML's string "1e-4" still becomes a float).
+        text = value if isinstance(value, str) else str(value)
+        if tp is str:
+            return text
+        text = text.strip()
+        if tp is bool and text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        if tp is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+            try:  # wandb's bayes sampler can emit 64.0 for an int parameter
+                number = float(text)
+                if math.isfinite(number) and number.is_integer():
+                    return int(number)
+            except ValueError:
+                pass
+        if tp is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+    raise ConfigError(f"{where}: expected {_EXPECTED[tp]}, got {value!r}")
