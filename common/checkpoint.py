@@ -1,0 +1,345 @@
+"""Checkpoints that resume exactly: periodic and best kept apart, last K kept, every save atomic.
+
+Layout of `<output_dir>`:
+    run.json                      which template and config wrote this folder
+    checkpoints/step_00000120/    periodic checkpoints (the last `keep_last` are kept)
+    checkpoints/best_step_00000100/  the best one by the chosen metric (only the newest is kept)
+    checkpoints/.tmp-*            a save in progress, or one a crash interrupted (never resumed from)
+    model.safetensors             the final export: plain weights, loadable without accelerate
+
+A checkpoint folder is written under a `.tmp-` name by all ranks and renamed to its final name by
+the main process only after every rank finished and `progress.json` was written and synced, so a
+folder with a final name is always complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from common.errors import UsageError
+
+PROGRESS_FILE = "progress.json"
+RUN_FILE = "run.json"
+EXPORT_FILE = "model.safetensors"
+_NAME = re.compile(r"^(step|best_step)_(\d{8})$")
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every checkpoint and restored on resume."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # the epoch in progress (or the next one when batches_in_epoch == 0)
+    batches_in_epoch: int = 0  # micro-batches of `epoch` already trained on
+    best_metric: float | None = None
+    best_step: int | None = None
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state through `accelerator.save_state/load_state`.
+
+    `save_state` covers model, optimizer, schedulers and scaler registered through `prepare`, and
+    the RNG state of every rank; `progress.json` adds step, epoch, data position and best metric.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: str | os.PathLike,
+        *,
+        template: str,
+        config: dict,
+        metric: str,
+        mode: str = "max",
+        keep_last: int = 3,
+    ):
+        if mode not in ("max", "min"):
+            raise UsageError(f"checkpoint metric mode must be 'max' or 'min', got {mode!r}")
+        if keep_last < 1:
+            raise UsageError(f"keep_last must be at least 1, got {keep_last}")
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.dir = self.output_dir / "checkpoints"
+        self.template = template
+        self.config = config
+        self.metric = metric
+        self.mode = mode
+        self.keep_last = keep_last
+
+    # ----------------------------------------------------------------------------------- resume
+    def resume(self, resume: str) -> Progress:
+        """Restore the state named by `resume` ("auto", "none" or a checkpoint path) and return the progress.
+
+        "auto" continues from the newest complete checkpoint in this output folder, or starts fresh
+        when there is none. "none" starts fresh and refuses a folder that already holds checkpoints,
+        so an earlier run is never overwritten by accident.
+        """
+        self._check_run_file()
+        for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
+            self._print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
+        existing = self.complete_checkpoints()
+        if resume == "none":
+            if existing:
+                raise UsageError(
+                    f"{self.output_dir} already holds checkpoints of a run (newest: {existing[-1].name}); "
+                    "pass --resume auto to continue it or choose another --output_dir"
+                )
+            path = None
+        elif resume == "auto":
+            path = existing[-1] if existing else None
+        else:
+            path = Path(resume)
+            if not path.is_dir():
+                raise UsageError(f"--resume {resume}: no such checkpoint folder")
+            if not (path / PROGRESS_FILE).is_file():
+                raise UsageError(f"--resume {resume}: not a complete checkpoint (no {PROGRESS_FILE})")
+        # Every rank must load the same checkpoint, whatever its view of the folder.
+        chosen = [str(path) if path is not None else None]
+        broadcast_object_list(chosen)
+        self._write_run_file()
+        if chosen[0] is None:
+            return Progress()
+        return self.load(Path(chosen[0]))
+
+    def load(self, path: Path) -> Progress:
+        meta = read_progress(path)
+        if meta.get("template") != self.template:
+            raise UsageError(
+                f"checkpoint {path} was written by template {meta.get('template')!r}, not {self.template!r}"
+            )
+        if meta.get("world_size") != self.accelerator.num_processes:
+            self._print(
+                f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), resuming with "
+                f"{self.accelerator.num_processes}: training continues, but not bit-identically"
+            )
+        try:
+            self.accelerator.load_state(str(path))
+        except (RuntimeError, ValueError, KeyError, FileNotFoundError, SafetensorError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UsageError(f"checkpoint {path} does not fit this model and optimizer: {first_line}") from None
+        fields = {f.name for f in dataclasses.fields(Progress)}
+        progress = Progress(**{k: v for k, v in meta.items() if k in fields})
+        self._print(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batches_in_epoch})")
+        return progress
+
+    # ------------------------------------------------------------------------------------- save
+    def save(self, progress: Progress) -> Path:
+        """Write a periodic checkpoint (unless this step has one) and keep only the newest `keep_last`."""
+        path = self.dir / f"step_{progress.step:08d}"
+        if path in self.complete_checkpoints():
+            return path
+        path = self._write(path.name, progress)
+        if self.accelerator.is_main_process:
+            periodic = [p for p in self.complete_checkpoints() if p.name.startswith("step_")]
+            for old in periodic[: -self.keep_last]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def is_better(self, value: float, progress: Progress) -> bool:
+        if not math.isfinite(value):
+            return False
+        if progress.best_metric is None:
+            return True
+        return value > progress.best_metric if self.mode == "max" else value < progress.best_metric
+
+    def save_best(self, progress: Progress, value: float) -> bool:
+        """If `value` beats the best so far, record it in `progress` and save the best checkpoint.
+
+        Call it before `save` at the same step, so the periodic checkpoint records the new best too.
+        """
+        if not self.is_better(value, progress):
+            return False
+        progress.best_metric, progress.best_step = float(value), progress.step
+        path = self._write(f"best_step_{progress.step:08d}", progress)
+        if self.accelerator.is_main_process:
+            for old in self.complete_checkpoints():
+                if old.name.startswith("best_step_") and old != path:
+                    shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return True
+
+    def best_checkpoint(self) -> Path | None:
+        best = [p for p in self.complete_checkpoints() if p.name.startswith("best_step_")]
+        return best[-1] if best else None
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Checkpoints that finished saving, oldest first (periodic before best at the same step)."""
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for path in self.dir.iterdir():
+            match = _NAME.match(path.name)
+            if match and (path / PROGRESS_FILE).is_file():
+                found.append((int(match.group(2)), match.group(1) == "step", path))
+        return [path for _, _, path in sorted(found)]
+
+    def _write(self, name: str, progress: Progress) -> Path:
+        accelerator = self.accelerator
+        final, tmp = self.dir / name, self.dir / f".tmp-{name}"
+        # Decided on the main process and shared, so all ranks agree on whether to call save_state.
+        twin_holder = [self._same_step_twin(progress.step, exclude=name) if accelerator.is_main_process else None]
+        broadcast_object_list(twin_holder)
+        twin = twin_holder[0]
+        if accelerator.is_main_process:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".tmp-*"):
+                shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
+            if twin is not None:
+                # Same step already saved under the other kind: same bytes, so link instead of rewriting.
+                shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
+        accelerator.wait_for_everyone()
+        if twin is None:
+            accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            meta = dataclasses.asdict(progress) | {
+                "template": self.template,
+                "world_size": accelerator.num_processes,
+                "metric": self.metric,
+                "mode": self.mode,
+            }
+            _write_json(tmp / PROGRESS_FILE, meta)
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+        accelerator.wait_for_everyone()
+        return final
+
+    def _same_step_twin(self, step: int, exclude: str) -> Path | None:
+        for path in self.complete_checkpoints():
+            match = _NAME.match(path.name)
+            if int(match.group(2)) == step and path.name != exclude:
+                return path
+        return None
+
+    # ------------------------------------------------------------------------------ run folder
+    def _check_run_file(self) -> None:
+        run_file = self.output_dir / RUN_FILE
+        if not run_file.is_file():
+            return
+        try:
+            run = json.loads(run_file.read_text())
+        except (OSError, ValueError):
+            raise UsageError(f"{run_file} is unreadable; this output folder holds something else") from None
+        if run.get("template") != self.template:
+            raise UsageError(
+                f"{self.output_dir} holds a run of template {run.get('template')!r}; choose another --output_dir"
+            )
+
+    def _write_run_file(self) -> None:
+        if self.accelerator.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(self.output_dir / RUN_FILE, {"template": self.template, "config": self.config})
+        self.accelerator.wait_for_everyone()
+
+    def _print(self, message: str) -> None:
+        self.accelerator.print(message)
+
+
+def read_progress(path: Path) -> dict:
+    try:
+        meta = json.loads((path / PROGRESS_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"checkpoint {path}: unreadable {PROGRESS_FILE} ({error})") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise UsageError(f"checkpoint {path}: {PROGRESS_FILE} is not a training progress record")
+    return meta
+
+
+# ----------------------------------------------------------------------------------------- export
+def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str | os.PathLike) -> Path:
+    """Save the trained weights as one safetensors file that loads into the plain model.
+
+    Call on every rank: under FSDP the full state dict is gathered from the shards. Tied tensors
+    (an embedding shared with the output layer) are stored once and named in the metadata.
+    """
+    path = Path(path)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tensors, tied, seen = {}, {}, {}
+        for key, tensor in state_dict.items():
+            ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if ptr in seen:
+                tied[key] = seen[ptr]
+                continue
+            seen[ptr] = key
+            tensors[key] = tensor.detach().to("cpu").contiguous()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        save_file(tensors, str(tmp), metadata={"format": "pt", "tied": json.dumps(tied)})
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Load an export from `export_weights` into a plain (unwrapped) model, refusing any mismatch."""
+    path = Path(path)
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            tied = json.loads((handle.metadata() or {}).get("tied", "{}"))
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as error:
+        raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
+    expected = model.state_dict()
+    for key, source in tied.items():
+        if source in tensors:
+            tensors[key] = tensors[source]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [k for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        detail = (
+            f"shape of {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model has {tuple(expected[wrong[0]].shape)}"
+            if wrong
+            else f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+        raise UsageError(f"{path} does not fit this model: {detail}")
+    model.load_state_dict(tensors)
+
+
+# ----------------------------------------------------------------------------------- durability
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_file(path)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and folder below `root` so the rename that follows publishes finished data."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync_file(Path(folder) / name)
+        _fsync_dir(Path(folder))

@@ -1,0 +1,114 @@
+"""Data loaders built by the rules every template follows, and splits that never share a sample."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+
+from common.errors import UsageError
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed numpy and `random` in a loader worker from the seed torch gave it.
+
+    torch derives each worker's seed from the loader's generator; libraries that keep their own
+    RNG (numpy, random) would otherwise start identically in every worker.
+    """
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+def default_num_workers(world_size: int = 1) -> int:
+    """Leave one core for the training process; share the rest between the ranks on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(8, (cores - 1) // max(1, world_size)))
+
+
+def build_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    train: bool,
+    seed: int,
+    device: torch.device,
+    rank: int = 0,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+    collate_fn=None,
+) -> DataLoader:
+    """A DataLoader by the template rules; pass it to `accelerator.prepare`.
+
+    - Only training data is shuffled, and only training drops the last incomplete batch.
+    - The shuffle order comes from the sampler's own generator (accelerate reseeds it with
+      seed + epoch), so every rank sees the same permutation and takes its own shard.
+    - Worker seeds come from a separate generator seeded per rank, so ranks and workers draw
+      different random numbers, reproducibly, and creating an iterator never consumes the
+      global torch RNG (which would shift dropout masks after a resume).
+    - Pinned memory only helps host-to-GPU copies, so it is used only when `device` is a GPU.
+    """
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be at least 1, got {batch_size}")
+    sampler_generator = torch.Generator().manual_seed(seed)
+    worker_generator = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (rank + 1) + (0 if train else 1))
+    sampler = RandomSampler(dataset, generator=sampler_generator) if train else SequentialSampler(dataset)
+    extra = {}
+    if num_workers > 0:
+        # Workers that live across epochs skip the fork cost each epoch; prefetch keeps them ahead.
+        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker}
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=train,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        generator=worker_generator,
+        collate_fn=collate_fn,
+        **extra,
+    )
+
+
+def stable_fraction(key: str) -> float:
+    """A number in [0, 1) fixed by `key` alone: the same on every machine, run and Python version."""
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_by_key(keys: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """Split items (files, say) by a stable hash of their key: an item never changes split when others are added."""
+    if not 0.0 < val_fraction < 1.0:
+        raise UsageError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    train, val = [], []
+    for index, key in enumerate(keys):
+        (val if stable_fraction(key) < val_fraction else train).append(index)
+    check_disjoint(train, val)
+    return train, val
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded random split of range(n) into train and validation indices."""
+    if not 0.0 < val_fraction < 1.0:
+        raise UsageError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise UsageError(f"{n} samples are too few to split off a validation fraction of {val_fraction}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    train, val = sorted(order[n_val:]), sorted(order[:n_val])
+    check_disjoint(train, val)
+    return train, val
+
+
+def check_disjoint(*splits: Sequence[int]) -> None:
+    """Refuse splits that share an index: a sample in two splits makes validation lie."""
+    seen: dict[int, int] = {}
+    for split_number, split in enumerate(splits):
+        for index in split:
+            if seen.setdefault(index, split_number) != split_number:
+                raise ValueError(f"sample {index} is in split {seen[index]} and split {split_number}")

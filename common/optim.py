@@ -1,0 +1,52 @@
+"""Optimizer pieces both templates use: weight-decay groups, LR scaling with world size, warmup + cosine."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.errors import UsageError
+
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+def scale_learning_rate(base_lr: float, world_size: int, rule: str) -> float:
+    """The learning rate for `world_size` ranks, given one tuned for a single rank.
+
+    The global batch grows with the number of ranks; "linear" (Goyal et al. 2017) suits SGD,
+    "sqrt" is the usual choice for Adam-type optimizers, "none" keeps the LR as given.
+    """
+    if rule not in LR_SCALING:
+        raise UsageError(f"lr_scaling must be one of {', '.join(LR_SCALING)}, got {rule!r}")
+    if rule == "linear":
+        return base_lr * world_size
+    if rule == "sqrt":
+        return base_lr * math.sqrt(world_size)
+    return base_lr
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay only matrices and conv kernels; biases, norm scales and other vectors are left alone."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the peak LR, then cosine decay to `min_ratio` of it at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

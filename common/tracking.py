@@ -1,0 +1,123 @@
+"""Metrics go to W&B (main process only) and to `<output_dir>/metrics.jsonl`; progress to tqdm."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from common.errors import UsageError
+
+TRACKERS = ("wandb", "none")
+METRICS_FILE = "metrics.jsonl"
+
+
+def wandb_has_credentials() -> bool:
+    """An API key in the environment or in ~/.netrc (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import netrc
+
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class Tracker:
+    """Log metrics once, from the main process, to every configured sink.
+
+    `metrics.jsonl` is always written: it is what the local search runner reads while a trial
+    runs, and it survives without any account. On resume, lines after the resumed step are
+    dropped so the file matches the restored state.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: str | os.PathLike,
+        *,
+        kind: str,
+        project: str,
+        config: dict,
+        resume_step: int = 0,
+    ):
+        if kind not in TRACKERS:
+            raise UsageError(f"tracker must be one of {', '.join(TRACKERS)}, got {kind!r}")
+        self.enabled = accelerator.is_main_process
+        self.output_dir = Path(output_dir)
+        self.metrics_path = self.output_dir / METRICS_FILE
+        self.run = None
+        self.offline = False
+        self.started = time.time()
+        if not self.enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        if kind == "wandb":
+            self.run = self._start_wandb(project, config)
+
+    def _start_wandb(self, project: str, config: dict):
+        import wandb
+
+        # An explicit WANDB_MODE wins; otherwise online only when there are credentials to use.
+        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_credentials() else "offline")
+        self.offline = mode == "offline"
+        run_id_file = self.output_dir / "wandb_run_id"
+        kwargs = {}
+        if "WANDB_SWEEP_ID" not in os.environ:
+            # A resumed job keeps logging into the same W&B run; a sweep agent assigns its own id.
+            run_id = run_id_file.read_text().strip() if run_id_file.is_file() else uuid.uuid4().hex[:8]
+            run_id_file.write_text(run_id + "\n")
+            kwargs = {"id": run_id, "resume": "allow"}
+        return wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode, **kwargs)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.metrics_path.is_file():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+        tmp = self.metrics_path.with_name(f".{METRICS_FILE}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.metrics_path)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": round(time.time() - self.started, 3)}
+        record.update({k: (v if math.isfinite(v) else None) if isinstance(v, float) else v for k, v in metrics.items()})
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def summary(self, values: dict[str, float]) -> None:
+        if self.run is not None:
+            self.run.summary.update(values)
+
+    def finish(self) -> None:
+        if self.run is None:
+            return
+        run_dir = Path(self.run.dir).parent
+        self.run.finish()
+        self.run = None
+        if self.offline:
+            print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: str = "train") -> tqdm:
+    """A tqdm bar on the main process only; the other ranks get a disabled one with the same API."""
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not accelerator.is_main_process)

@@ -1,0 +1,341 @@
+"""Image classification with a small residual CNN, on CPU, one GPU, DDP or FSDP2.
+
+    accelerate launch --config_file accelerate_configs/cpu.yaml templates/image_classification.py
+    accelerate launch --config_file accelerate_configs/ddp.yaml templates/image_classification.py \
+        --data_dir /data/my_images --image_size 64 --epochs 30
+
+Data: scikit-learn's handwritten digits by default (they ship with the package, no download), or
+`--data_dir` with one folder per class (the ImageFolder layout), optionally split into `train/`
+and `val/` folders. Copy this file plus `common/` into your project and change what you need.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside templates/ or beside this file
+
+from accelerate.utils import set_seed  # noqa: E402
+
+from common.accelerator import build_accelerator, describe  # noqa: E402
+from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
+from common.config import config_to_dict, parse_config  # noqa: E402
+from common.data import build_loader, default_num_workers, split_by_key, split_indices  # noqa: E402
+from common.errors import NonFiniteError, UsageError, report_usage_errors  # noqa: E402
+from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.tracking import Tracker, progress_bar  # noqa: E402
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+@dataclass
+class Config:
+    data_dir: str | None = field(default=None, metadata={"help": "Folder of class folders (or train/ and val/ of them); default: digits."})
+    image_size: int = field(default=32, metadata={"help": "Side length images from --data_dir are resized to."})
+    val_fraction: float = field(default=0.2, metadata={"help": "Share held out for validation when there is no val/ folder."})
+    output_dir: str = field(default="runs/image_classification", metadata={"help": "Checkpoints, metrics and the export go here."})
+    epochs: int = field(default=30, metadata={"help": "Passes over the training data."})
+    batch_size: int = field(default=64, metadata={"help": "Per process, per micro-batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate for one process."})
+    lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
+    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay (matrices and kernels only)."})
+    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
+    grad_clip: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (0: no clipping)."})
+    width: int = field(default=32, metadata={"help": "Channels of the first stage (doubled per stage)."})
+    depth: int = field(default=2, metadata={"help": "Residual blocks per stage."})
+    dropout: float = field(default=0.1, metadata={"help": "Dropout before the classifier."})
+    label_smoothing: float = field(default=0.05, metadata={"help": "Cross-entropy label smoothing."})
+    augment: bool = field(default=True, metadata={"help": "Random shifts, scales and rotations of training images."})
+    hflip: bool = field(default=False, metadata={"help": "Also flip training images left-right (not for digits)."})
+    num_workers: int = field(default=-1, metadata={"help": "Loader workers per process; -1 picks for the data."})
+    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
+    seed: int = field(default=0, metadata={"help": "Seeds init, data order, dropout and augmentation."})
+    resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
+    checkpoint_every_steps: int = field(default=0, metadata={"help": "Also checkpoint every N optimizer steps (0: epoch ends only)."})
+    keep_last: int = field(default=3, metadata={"help": "Periodic checkpoints to keep (the best is kept apart)."})
+    stop_after_steps: int = field(default=0, metadata={"help": "End this session after N optimizer steps with a checkpoint (0: never)."})
+    log_every_steps: int = field(default=10, metadata={"help": "Log the training loss every N optimizer steps."})
+    tracker: str = field(default="wandb", metadata={"help": "wandb (offline without credentials) or none."})
+    wandb_project: str = field(default="image-classification-template", metadata={"help": "W&B project name."})
+    timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size", "gradient_accumulation_steps", "width", "depth", "image_size", "keep_last", "log_every_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("weight_decay", "warmup_steps", "grad_clip", "checkpoint_every_steps", "stop_after_steps", "label_smoothing"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+# ----------------------------------------------------------------------------------------- data
+class ImageFiles(Dataset):
+    """Decodes and resizes images in the loader workers; random augmentation happens later, on the device."""
+
+    def __init__(self, paths: list[Path], labels: list[int], image_size: int):
+        self.paths, self.labels, self.image_size = paths, labels, image_size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(self.paths[index]) as image:
+                image = image.convert("RGB").resize((self.image_size, self.image_size), Image.BILINEAR)
+        except (OSError, UnidentifiedImageError) as error:
+            raise UsageError(f"cannot read image {self.paths[index]}: {error}") from None
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+        return (pixels - 0.5) / 0.25, self.labels[index]
+
+
+def list_images(root: Path, classes: list[str] | None = None) -> tuple[list[Path], list[int], list[str]]:
+    classes = classes or sorted(d.name for d in root.iterdir() if d.is_dir())
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        for path in sorted((root / name).rglob("*")) if (root / name).is_dir() else []:
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                paths.append(path)
+                labels.append(label)
+    return paths, labels, classes
+
+
+def load_datasets(cfg: Config) -> tuple[Dataset, Dataset, int, int]:
+    """Returns (train, val, channels, classes); no sample is in both."""
+    if cfg.data_dir is None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        full = TensorDataset((images - 0.5) / 0.25, torch.tensor(digits.target))
+        train_idx, val_idx = split_indices(len(full), cfg.val_fraction, seed=1234)  # fixed: same split for every seed
+        return Subset(full, train_idx), Subset(full, val_idx), 1, 10
+    root = Path(cfg.data_dir)
+    if not root.is_dir():
+        raise UsageError(f"--data_dir {root}: no such folder")
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        train_paths, train_labels, classes = list_images(root / "train")
+        val_paths, val_labels, _ = list_images(root / "val", classes)
+    else:
+        paths, labels, classes = list_images(root)
+        train_idx, val_idx = split_by_key([str(p.relative_to(root)) for p in paths], cfg.val_fraction)
+        train_paths, train_labels = [paths[i] for i in train_idx], [labels[i] for i in train_idx]
+        val_paths, val_labels = [paths[i] for i in val_idx], [labels[i] for i in val_idx]
+    if len(classes) < 2 or not train_paths or not val_paths:
+        raise UsageError(
+            f"--data_dir {root}: need at least 2 class folders with images ({', '.join(sorted(IMAGE_SUFFIXES))}) "
+            f"in training and validation; found {len(classes)} classes, {len(train_paths)} + {len(val_paths)} images"
+        )
+    return (
+        ImageFiles(train_paths, train_labels, cfg.image_size),
+        ImageFiles(val_paths, val_labels, cfg.image_size),
+        3,
+        len(classes),
+    )
+
+
+def augment(images: torch.Tensor, hflip: bool) -> torch.Tensor:
+    """Random affine jitter of a batch, on its device.
+
+    Done here rather than in loader workers so its random numbers come from this process's RNG,
+    which checkpoints save and restore: resumed runs augment exactly as uninterrupted ones.
+    """
+    n = images.shape[0]
+    angle = (torch.rand(n, device=images.device) - 0.5) * (2 * math.pi / 18)  # +-10 degrees
+    scale = 1.0 + (torch.rand(n, device=images.device) - 0.5) * 0.2
+    shift = (torch.rand(n, 2, device=images.device) - 0.5) * 0.25
+    flip = torch.where(torch.rand(n, device=images.device) < 0.5, -1.0, 1.0) if hflip else torch.ones(n, device=images.device)
+    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+    theta = torch.stack([torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)], 1)
+    grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
+    return F.grid_sample(images, grid, padding_mode="border", align_corners=False)
+
+
+# ---------------------------------------------------------------------------------------- model
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm, not BatchNorm: no running statistics that would differ between ranks under FSDP
+    (DDP copies rank 0's BatchNorm buffers every step, FSDP does not), and no dependence on the batch size."""
+    return nn.GroupNorm(min(8, channels // 4) or 1, channels)
+
+
+class Block(nn.Module):
+    """A residual block; `Block` is also the class accelerate_configs/fsdp.yaml wraps as one FSDP unit."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm1 = group_norm(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm2 = group_norm(channels)
+        nn.init.zeros_(self.norm2.weight)  # each block starts as the identity: stable early training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))))
+
+
+class ResNet(nn.Module):
+    def __init__(self, in_channels: int, num_classes: int, width: int, depth: int, stages: int, dropout: float):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), group_norm(width), nn.ReLU()]
+        channels = width
+        for stage in range(stages):
+            if stage > 0:  # halve the resolution, double the channels
+                layers += [nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1, bias=False), group_norm(channels * 2), nn.ReLU()]
+                channels *= 2
+            layers += [Block(channels) for _ in range(depth)]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def build_model(cfg: Config, in_channels: int, num_classes: int) -> ResNet:
+    image_size = 8 if cfg.data_dir is None else cfg.image_size
+    stages = max(2, min(4, int(math.log2(image_size)) - 1))  # down to about 4x4 before pooling
+    return ResNet(in_channels, num_classes, cfg.width, cfg.depth, stages, cfg.dropout)
+
+
+# ----------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict[str, float]:
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    for images, labels in loader:
+        logits = model(images)
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        # gather_for_metrics drops the samples DDP padding repeated, so each is counted once.
+        losses, predictions, labels = accelerator.gather_for_metrics((losses, logits.argmax(-1), labels))
+        total_loss += losses.sum().item()
+        correct += (predictions == labels).sum().item()
+        count += labels.numel()
+    model.train()
+    return {"val/loss": total_loss / count, "val/accuracy": correct / count, "val/samples": count}
+
+
+# ----------------------------------------------------------------------------------------- main
+@report_usage_errors
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    cfg = parse_config(Config, argv)
+    accelerator = build_accelerator(
+        seed=cfg.seed,
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        timeout_s=cfg.timeout_s,
+    )
+    accelerator.print(describe(accelerator))
+    set_seed(cfg.seed)  # the same initial weights on every rank
+
+    train_set, val_set, in_channels, num_classes = load_datasets(cfg)
+    num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers(accelerator.num_processes))
+    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
+    train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **loader_args)
+    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
+    train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
+    micro_batches = len(train_loader)
+    if micro_batches == 0:
+        raise UsageError(f"{len(train_set)} training images make no full batch of {cfg.batch_size} per process")
+    steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
+    total_steps = cfg.epochs * steps_per_epoch
+
+    model = build_model(cfg, in_channels, num_classes)
+    learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate)
+    scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, total_steps // 2), total_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    ckpt = CheckpointManager(
+        accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
+        metric="val/accuracy", mode="max", keep_last=cfg.keep_last,
+    )
+    set_seed(cfg.seed, device_specific=True)  # each rank its own dropout and augmentation stream
+    progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
+    accelerator.print(
+        f"{len(train_set)} training / {len(val_set)} validation images, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{total_steps} optimizer steps, learning rate {learning_rate:g}"
+    )
+
+    bar = progress_bar(accelerator, total_steps, initial=progress.step)
+    session_steps, running_loss, running_count = 0, 0.0, 0
+    metrics: dict[str, float] = {}
+    stopping = False
+    for epoch in range(progress.epoch, cfg.epochs):
+        model.train()
+        train_loader.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
+        skip = progress.batches_in_epoch  # non-zero only in the epoch a resume lands in
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for images, labels in batches:
+            optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
+            with accelerator.accumulate(model):
+                if cfg.augment:
+                    images = augment(images, cfg.hflip)
+                loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+                    if not torch.isfinite(grad_norm) and accelerator.scaler is None:
+                        raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
+                                             f"the last good checkpoint is kept in {ckpt.dir}")
+                optimizer.step()  # skipped by accelerate until the accumulation window is complete
+            progress.batches_in_epoch += 1
+            running_loss += loss.item()
+            running_count += 1
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            progress.step += 1
+            session_steps += 1
+            bar.update(1)
+            if progress.step % cfg.log_every_steps == 0:
+                train_loss = running_loss / running_count
+                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
+                bar.set_postfix(loss=f"{train_loss:.4f}")
+                running_loss, running_count = 0.0, 0
+            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
+                ckpt.save(progress)
+            if cfg.stop_after_steps and session_steps >= cfg.stop_after_steps:
+                stopping = True
+                break
+        if progress.batches_in_epoch < micro_batches:  # left mid-epoch: save where we are, then stop
+            ckpt.save(progress)
+            accelerator.print(f"stopped at step {progress.step}; continue with --resume auto")
+            break
+        progress.epoch, progress.batches_in_epoch = epoch + 1, 0
+        metrics = evaluate(model, val_loader, accelerator)
+        tracker.log(metrics | {"epoch": epoch + 1}, step=progress.step)
+        accelerator.print(f"epoch {epoch + 1}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, val accuracy {metrics['val/accuracy']:.2%}")
+        ckpt.save_best(progress, metrics["val/accuracy"])  # before save(): the periodic checkpoint records the new best
+        ckpt.save(progress)
+        if stopping:
+            break
+    bar.close()
+
+    if progress.epoch == cfg.epochs:
+        if not metrics:  # resumed a finished run: report it again
+            metrics = evaluate(model, val_loader, accelerator)
+        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+        tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
+        accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
+    tracker.finish()
+    accelerator.end_training()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Shared test helpers: the repo on sys.path, free ports, and `accelerate launch` runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+CONFIGS = REPO / "accelerate_configs"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a launched run: offline, no credentials, no rank variables leaking in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_", "FSDP_"))}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def launch(
+    config: str,
+    script: str | Path,
+    *args: str,
+    num_processes: int | None = None,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    launcher_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """Run `accelerate launch --config_file accelerate_configs/<config> script args` to completion."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+               "--main_process_port", str(free_port()), *launcher_args]
+    if num_processes is not None:
+        command += ["--num_processes", str(num_processes)]
+    command += [str(script), *args]
+    return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
