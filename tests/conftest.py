@@ -55,3 +55,24 @@ def launch(
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    """A clean slate for building an `Accelerator` in the test process.
+
+    accelerate keeps process-wide singletons (the first Accelerator's settings would stick), and
+    `build_accelerator` writes ACCELERATE_USE_CPU into os.environ; both are reset after the test.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))] + [
+        "ACCELERATE_USE_CPU", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    ]:
+        monkeypatch.setenv(key, "")  # records the original value (or its absence) for the restore ...
+        monkeypatch.delenv(key)  # ... then the test starts without it
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -1,0 +1,117 @@
+"""common.accelerator: mixed precision by hardware, and the Accelerator every template builds."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+
+import common.accelerator as accel_module
+from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe, resolve_mixed_precision
+from common.errors import UsageError
+
+# --- resolve_mixed_precision: every request on every kind of hardware --------------------------
+
+CPU, GPU_BF16, GPU_NO_BF16 = (False, False), (True, True), (True, False)
+EXPECTED = {  # (requested, hardware) -> (result, warns)
+    ("auto", CPU): ("no", False), ("no", CPU): ("no", False),
+    ("bf16", CPU): ("no", True), ("fp16", CPU): ("no", True),
+    ("auto", GPU_BF16): ("bf16", False), ("no", GPU_BF16): ("no", False),
+    ("bf16", GPU_BF16): ("bf16", False), ("fp16", GPU_BF16): ("fp16", False),
+    ("auto", GPU_NO_BF16): ("fp16", False), ("no", GPU_NO_BF16): ("no", False),
+    ("bf16", GPU_NO_BF16): ("fp16", True), ("fp16", GPU_NO_BF16): ("fp16", False),
+}
+
+
+def test_expected_table_covers_every_choice():
+    assert {requested for requested, _ in EXPECTED} == set(MIXED_PRECISION_CHOICES)
+
+
+@pytest.mark.parametrize("requested, hardware", list(EXPECTED), ids=[f"{r}-{h}" for r, h in EXPECTED])
+def test_resolve_mixed_precision(requested, hardware):
+    has_cuda, has_bf16 = hardware
+    result, warns = EXPECTED[requested, hardware]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_mixed_precision(requested, has_cuda=has_cuda, has_bf16=has_bf16) == result
+    # A request that is not honoured says so; one that is honoured stays quiet.
+    assert len(caught) == (1 if warns else 0), [str(w.message) for w in caught]
+
+
+def test_resolve_mixed_precision_refuses_unknown_value():
+    with pytest.raises(UsageError, match="mixed_precision must be one of auto, no, bf16, fp16, got 'fp8'"):
+        resolve_mixed_precision("fp8", has_cuda=True, has_bf16=True)
+
+
+# --- build_accelerator: what it asks accelerate for (hardware faked, Accelerator recorded) ------
+
+class RecordingAccelerator:
+    """Stands in for accelerate.Accelerator and keeps the arguments build_accelerator passed."""
+
+    last: dict = {}
+
+    def __init__(self, **kwargs):
+        RecordingAccelerator.last = kwargs
+
+
+@pytest.mark.parametrize("has_bf16, expected", [(True, "bf16"), (False, "fp16")])
+def test_build_accelerator_on_a_gpu_asks_for_what_the_gpu_has(monkeypatch, has_bf16, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: has_bf16)
+    monkeypatch.setattr(accel_module, "Accelerator", RecordingAccelerator)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    build_accelerator(seed=5, mixed_precision="auto", gradient_accumulation_steps=3, timeout_s=42)
+    args = RecordingAccelerator.last
+    assert args["mixed_precision"] == expected and args["cpu"] is False
+    assert args["gradient_accumulation_plugin"].num_steps == 3
+    loader_config = args["dataloader_config"]
+    assert loader_config.use_seedable_sampler is True and loader_config.data_seed == 5
+    assert loader_config.non_blocking is True  # asynchronous host-to-GPU copies (pinned memory)
+    (handler,) = args["kwargs_handlers"]
+    assert handler.timeout == timedelta(seconds=42)
+
+
+def test_build_accelerator_force_cpu_ignores_the_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(accel_module, "Accelerator", RecordingAccelerator)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "")  # restored after the test; build_accelerator overwrites it
+    build_accelerator(seed=0, force_cpu=True)
+    assert RecordingAccelerator.last["cpu"] is True
+    assert RecordingAccelerator.last["mixed_precision"] == "no"
+    assert RecordingAccelerator.last["dataloader_config"].non_blocking is False
+
+
+# --- build_accelerator for real, on this CPU machine --------------------------------------------
+
+@pytest.mark.parametrize("requested", ["auto", "bf16"])
+def test_build_accelerator_on_cpu(fresh_accelerate, requested):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bf16 requested on CPU warns; tested above
+        accelerator = build_accelerator(seed=1, mixed_precision=requested, gradient_accumulation_steps=2, timeout_s=123)
+    assert accelerator.mixed_precision == "no"
+    assert accelerator.device.type == "cpu"
+    assert accelerator.num_processes == 1
+    assert accelerator.gradient_accumulation_steps == 2
+    assert accelerator.scaler is None
+    # The timeout reaches the process-group kwargs, so a dead rank ends the job instead of hanging it.
+    assert accelerator.init_handler.timeout == timedelta(seconds=123)
+    assert accelerator.init_handler.to_kwargs()["timeout"] == timedelta(seconds=123)
+    assert os.environ["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_build_accelerator_fsdp_config_on_one_cpu_process_is_plain_training(fresh_accelerate, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    accelerator = build_accelerator(seed=0)
+    assert accelerator.distributed_type.value == "NO"
+    assert getattr(accelerator.state, "fsdp_plugin", None) is None
+
+
+def test_describe_is_one_line(fresh_accelerate):
+    accelerator = build_accelerator(seed=0, gradient_accumulation_steps=4)
+    line = describe(accelerator)
+    assert "\n" not in line
+    assert line == "NO on cpu, 1 process(es), mixed precision no, gradient accumulation 4"
