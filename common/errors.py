@@ -35,6 +35,13 @@ def is_first_local_process() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def _close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def report_usage_errors(main: F) -> F:
     """Run `main`; turn a UsageError or NonFiniteError into `error: <message>` on stderr and its exit code."""
 
@@ -43,6 +50,7 @@ def report_usage_errors(main: F) -> F:
         try:
             return main(*args, **kwargs)
         except (UsageError, NonFiniteError) as error:
+            _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
             if is_first_local_process():
                 print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USAGE if isinstance(error, UsageError) else EXIT_NON_FINITE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -50,6 +51,18 @@ def launch(
         command += ["--num_processes", str(num_processes)]
     command += [str(script), *args]
     return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def load_template(name: str):
+    """Import templates/<name>.py as a module (registered in sys.modules, as dataclasses need)."""
+    module_name = f"template_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "templates" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
