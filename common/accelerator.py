@@ -69,6 +69,10 @@ def build_accelerator(
         # Same shuffle on every rank (each then takes its shard) and a new one each epoch from seed + epoch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=not use_cpu),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))],
+        # The templates call scheduler.step() once per optimizer step and size the schedule in those
+        # steps. accelerate's default would step it num_processes times per call (it assumes a schedule
+        # sized for one process), ending warmup and decay early under DDP/FSDP.
+        step_scheduler_with_optimizer=False,
     )
     if use_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         _enable_fsdp2_on_cpu(accelerator)
