@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 # Exit codes the templates document (README, "Exit codes").
 EXIT_USAGE = 2  # bad config, CLI value, data path, checkpoint or sweep file
 EXIT_NON_FINITE = 3  # the loss or the gradients became NaN/inf; the last good checkpoint is kept
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue and resume (EX_TEMPFAIL)
 
 F = TypeVar("F", bound=Callable[..., object])
 

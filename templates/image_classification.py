@@ -30,7 +30,8 @@ from common.accelerator import build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import config_to_dict, parse_config  # noqa: E402
 from common.data import build_loader, default_num_workers, split_by_key, split_indices  # noqa: E402
-from common.errors import NonFiniteError, UsageError, report_usage_errors  # noqa: E402
+from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
+from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.tracking import Tracker, progress_bar  # noqa: E402
 
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         timeout_s=cfg.timeout_s,
     )
     accelerator.print(describe(accelerator))
+    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
     set_seed(cfg.seed)  # the same initial weights on every rank
 
     train_set, val_set, in_channels, num_classes = load_datasets(cfg)
@@ -272,9 +274,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     bar = progress_bar(accelerator, total_steps, initial=progress.step)
-    session_steps, running_loss, running_count = 0, 0.0, 0
+    session_steps, running_loss, running_count, skipped_steps = 0, 0.0, 0, 0
     metrics: dict[str, float] = {}
-    stopping = False
+    stopping = preempted = False
     for epoch in range(progress.epoch, cfg.epochs):
         model.train()
         train_loader.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"the last good checkpoint is kept in {ckpt.dir}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
+                skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1
             running_loss += loss.item()
             running_count += 1
@@ -304,17 +307,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bar.update(1)
             if progress.step % cfg.log_every_steps == 0:
                 train_loss = running_loss / running_count
-                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
+                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": skipped_steps,
+                             "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 running_loss, running_count = 0.0, 0
             if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
                 ckpt.save(progress)
-            if cfg.stop_after_steps and session_steps >= cfg.stop_after_steps:
+            preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
+            if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
                 break
-        if progress.batches_in_epoch < micro_batches:  # left mid-epoch: save where we are, then stop
+        if stopping:  # save exactly where we are (even at an epoch's end: a resume then evaluates it)
             ckpt.save(progress)
-            accelerator.print(f"stopped at step {progress.step}; continue with --resume auto")
             break
         progress.epoch, progress.batches_in_epoch = epoch + 1, 0
         metrics = evaluate(model, val_loader, accelerator)
@@ -322,9 +326,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         accelerator.print(f"epoch {epoch + 1}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, val accuracy {metrics['val/accuracy']:.2%}")
         ckpt.save_best(progress, metrics["val/accuracy"])  # before save(): the periodic checkpoint records the new best
         ckpt.save(progress)
-        if stopping:
-            break
     bar.close()
+
+    if stopping:
+        reason = f"a stop signal ({preemption.describe()})" if preempted else "--stop_after_steps"
+        accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
 
     if progress.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
@@ -334,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
     tracker.finish()
     accelerator.end_training()
+    if preempted:
+        sys.exit(EXIT_PREEMPTED)  # tells a job script to requeue (README: Slurm)
     return metrics
 
 
