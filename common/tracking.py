@@ -19,14 +19,17 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def wandb_has_credentials() -> bool:
-    """An API key in the environment or in ~/.netrc (what `wandb login` writes)."""
+    """An API key in the environment or in ~/.netrc (what `wandb login` writes), found as wandb finds it."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
         import netrc
 
         host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
-        return netrc.netrc().authenticators(host) is not None
+        # The file wandb reads ($NETRC first), named explicitly as wandb does: netrc.netrc() without a
+        # path refuses a ~/.netrc that others can read, which wandb accepts, and the run went offline.
+        path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+        return netrc.netrc(path).authenticators(host) is not None
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
 
