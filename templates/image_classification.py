@@ -47,7 +47,7 @@ class Config:
     epochs: int = field(default=30, metadata={"help": "Passes over the training data."})
     batch_size: int = field(default=64, metadata={"help": "Per process, per micro-batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate for one process."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate for one process."})
     lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
     weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay (matrices and kernels only)."})
     warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
