@@ -1,0 +1,506 @@
+"""common.checkpoint: whole-state save/resume, periodic and best apart, keep last K, atomic saves, exports."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors import safe_open
+
+from common.accelerator import build_accelerator
+from common.checkpoint import (
+    PROGRESS_FILE,
+    CheckpointManager,
+    Progress,
+    export_weights,
+    load_exported,
+    read_progress,
+)
+from common.errors import UsageError
+from common.optim import warmup_cosine, weight_decay_groups
+from conftest import REPO, launch
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(width, 2)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding shared with the output layer, as language models tie them."""
+
+    def __init__(self, vocab: int = 11, dim: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.out = torch.nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(self.norm(self.embed(tokens)))
+
+
+def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last: int = 3, mode: str = "max",
+          init_seed: int = 0):
+    """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = build_accelerator(seed=0)
+    torch.manual_seed(init_seed)
+    model = Tiny(width)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=1e-2)
+    scheduler = warmup_cosine(optimizer, 2, 20)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    ckpt = CheckpointManager(accelerator, output_dir, template=template, config={"width": width},
+                             metric="val/accuracy", mode=mode, keep_last=keep_last)
+    return SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, ckpt=ckpt)
+
+
+def train(job, steps: int) -> None:
+    """Steps whose data and dropout come from the global RNGs, so a resume is exact only if they are restored."""
+    job.model.train()
+    for _ in range(steps):
+        x = torch.randn(8, 4) + float(np.random.rand()) + random.random()
+        loss = job.model(x).pow(2).mean()
+        job.accelerator.backward(loss)
+        job.optimizer.step()
+        job.scheduler.step()
+        job.optimizer.zero_grad()
+
+
+def params(job) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in job.accelerator.unwrap_model(job.model).state_dict().items()}
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file and folder under root with its inode, modification time and content hash."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        stat = path.stat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        found[str(path.relative_to(root))] = (stat.st_ino, stat.st_mtime_ns, digest)
+    return found
+
+
+def names(job) -> list[str]:
+    return [p.name for p in job.ckpt.complete_checkpoints()]
+
+
+@pytest.fixture
+def job(tmp_path, fresh_accelerate):
+    job = setup(tmp_path / "run")
+    assert job.ckpt.resume("none") == Progress()
+    return job
+
+
+# --- the whole state, restored exactly -----------------------------------------------------------
+
+def test_resume_restores_the_whole_state_exactly(tmp_path, fresh_accelerate):
+    first = setup(tmp_path / "run")
+    first.ckpt.resume("none")
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    train(first, 3)
+    progress = Progress(step=3, epoch=1, batches_in_epoch=5, best_metric=0.25, best_step=2)
+    path = first.ckpt.save(progress)
+    assert path.name == "step_00000003"
+    assert (path / "random_states_0.pkl").is_file()  # this rank's RNG is part of the checkpoint
+    at_save = params(first), copy.deepcopy(first.optimizer.state_dict()), first.scheduler.get_last_lr()
+    # What an uninterrupted run does next: draws, then two more training steps.
+    draws = torch.rand(3).tolist(), float(np.random.rand()), random.random()
+    train(first, 2)
+    uninterrupted = params(first)
+
+    # A new job (other initial weights, other RNG states) resumes and must continue identically.
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    resumed = setup(tmp_path / "run", init_seed=5)
+    assert not same_tensors(params(resumed), at_save[0])
+    restored = resumed.ckpt.resume("auto")
+    assert restored == progress  # step, epoch, position in the epoch, best metric and its step
+    assert same_tensors(params(resumed), at_save[0])
+    optimizer_state = resumed.optimizer.state_dict()
+    assert optimizer_state["param_groups"] == at_save[1]["param_groups"]
+    for index, state in at_save[1]["state"].items():
+        assert same_tensors(optimizer_state["state"][index], state)  # AdamW moments and step count
+    assert resumed.scheduler.get_last_lr() == at_save[2]
+    assert resumed.scheduler.scheduler.last_epoch == 3
+    assert (torch.rand(3).tolist(), float(np.random.rand()), random.random()) == draws  # torch, numpy, random
+    train(resumed, 2)
+    assert same_tensors(params(resumed), uninterrupted)  # bit-identical continuation, dropout included
+
+
+def test_progress_json_records_the_run(job):
+    path = job.ckpt.save(Progress(step=4, epoch=2, batches_in_epoch=1))
+    meta = read_progress(path)
+    assert meta["template"] == "tiny" and meta["world_size"] == 1
+    assert meta["metric"] == "val/accuracy" and meta["mode"] == "max"
+    assert (meta["step"], meta["epoch"], meta["batches_in_epoch"]) == (4, 2, 1)
+    run = json.loads((job.ckpt.output_dir / "run.json").read_text())
+    assert run == {"template": "tiny", "config": {"width": 8}}
+
+
+# --- periodic and best, keep last K ------------------------------------------------------------
+
+def test_keep_last_k_periodic_and_best_kept_apart(tmp_path, fresh_accelerate):
+    job = setup(tmp_path / "run", keep_last=2)
+    job.ckpt.resume("none")
+    progress = Progress(step=1)
+    assert job.ckpt.save_best(progress, 0.5) is True
+    for step in range(1, 6):
+        progress.step = step
+        job.ckpt.save(progress)
+    # Only the newest two periodic checkpoints stay; the best one is never deleted by keep-last.
+    assert names(job) == ["best_step_00000001", "step_00000004", "step_00000005"]
+    assert job.ckpt.best_checkpoint().name == "best_step_00000001"
+    assert read_progress(job.ckpt.dir / "step_00000005")["best_metric"] == 0.5
+
+
+def test_only_the_newest_best_is_kept_and_only_better_values_count(job):
+    progress = Progress(step=1)
+    assert job.ckpt.save_best(progress, float("nan")) is False  # not even as the first value
+    assert progress.best_metric is None and names(job) == []
+    assert job.ckpt.save_best(progress, 0.5) is True
+    progress.step = 2
+    assert job.ckpt.save_best(progress, 0.4) is False  # worse
+    assert job.ckpt.save_best(progress, 0.5) is False  # not better
+    assert job.ckpt.save_best(progress, float("nan")) is False
+    assert (progress.best_metric, progress.best_step) == (0.5, 1)
+    assert names(job) == ["best_step_00000001"]
+    progress.step = 3
+    assert job.ckpt.save_best(progress, 0.9) is True
+    assert (progress.best_metric, progress.best_step) == (0.9, 3)
+    assert names(job) == ["best_step_00000003"]
+    assert read_progress(job.ckpt.best_checkpoint())["best_metric"] == 0.9
+
+
+def test_a_better_value_at_the_same_step_replaces_that_best(job):
+    progress = Progress(step=4)
+    assert job.ckpt.save_best(progress, 0.5)
+    assert job.ckpt.save_best(progress, 0.6)  # evaluated twice at one step
+    assert names(job) == ["best_step_00000004"]
+    assert read_progress(job.ckpt.best_checkpoint())["best_metric"] == 0.6
+
+
+def test_best_in_min_mode(tmp_path, fresh_accelerate):
+    job = setup(tmp_path / "run", mode="min")
+    job.ckpt.resume("none")
+    progress = Progress(step=1)
+    assert job.ckpt.save_best(progress, 2.0) is True
+    progress.step = 2
+    assert job.ckpt.save_best(progress, 3.0) is False
+    assert job.ckpt.save_best(progress, 1.0) is True
+    assert names(job) == ["best_step_00000002"]
+
+
+def test_manager_arguments_checked(tmp_path, fresh_accelerate):
+    accelerator = build_accelerator(seed=0)
+    with pytest.raises(UsageError, match="mode must be 'max' or 'min'"):
+        CheckpointManager(accelerator, tmp_path, template="t", config={}, metric="m", mode="best")
+    with pytest.raises(UsageError, match="keep_last must be at least 1"):
+        CheckpointManager(accelerator, tmp_path, template="t", config={}, metric="m", keep_last=0)
+
+
+# --- one step, one write -----------------------------------------------------------------------
+
+def test_save_at_a_step_that_has_a_checkpoint_does_not_rewrite_it(job, monkeypatch):
+    first = job.ckpt.save(Progress(step=3, batches_in_epoch=2))
+    before = snapshot(job.ckpt.dir)
+    calls = []
+    monkeypatch.setattr(job.accelerator, "save_state", lambda *a, **k: calls.append(a))
+    assert job.ckpt.save(Progress(step=3, batches_in_epoch=9)) == first
+    assert calls == [] and snapshot(job.ckpt.dir) == before
+
+
+def test_best_then_periodic_at_one_step_share_files_but_not_progress(job, monkeypatch):
+    progress = Progress(step=6, epoch=2)
+    assert job.ckpt.save_best(progress, 0.7)
+    calls = []
+    real_save_state = job.accelerator.save_state
+    monkeypatch.setattr(job.accelerator, "save_state", lambda *a, **k: calls.append(a) or real_save_state(*a, **k))
+    progress.batches_in_epoch = 4  # the periodic one records where training stands now
+    job.ckpt.save(progress)
+    assert calls == []  # the state was not written a second time ...
+    best, periodic = job.ckpt.dir / "best_step_00000006", job.ckpt.dir / "step_00000006"
+    files = sorted(p.name for p in best.iterdir() if p.name != PROGRESS_FILE)
+    assert "model.safetensors" in files and "random_states_0.pkl" in files
+    assert sorted(p.name for p in periodic.iterdir() if p.name != PROGRESS_FILE) == files
+    for name in files:  # ... but hard-linked: the same inode, no copy
+        assert (best / name).stat().st_ino == (periodic / name).stat().st_ino
+    assert (best / PROGRESS_FILE).stat().st_ino != (periodic / PROGRESS_FILE).stat().st_ino
+    assert read_progress(best)["batches_in_epoch"] == 0
+    assert read_progress(periodic)["batches_in_epoch"] == 4
+    assert read_progress(periodic)["best_metric"] == read_progress(best)["best_metric"] == 0.7
+
+
+def test_periodic_then_best_at_one_step_keeps_each_progress(job):
+    progress = Progress(step=6)
+    job.ckpt.save(progress)
+    assert job.ckpt.save_best(progress, 0.7)
+    best, periodic = job.ckpt.dir / "best_step_00000006", job.ckpt.dir / "step_00000006"
+    assert (best / "model.safetensors").stat().st_ino == (periodic / "model.safetensors").stat().st_ino
+    assert read_progress(periodic)["best_metric"] is None  # written before this best existed; left alone
+    assert read_progress(best)["best_metric"] == 0.7 and read_progress(best)["best_step"] == 6
+
+
+def test_best_survives_keep_last_deleting_its_twin(tmp_path, fresh_accelerate):
+    job = setup(tmp_path / "run", keep_last=1)
+    job.ckpt.resume("none")
+    train(job, 1)
+    progress = Progress(step=2)
+    job.ckpt.save_best(progress, 0.5)
+    job.ckpt.save(progress)
+    weights = params(job)
+    progress.step = 3
+    job.ckpt.save(progress)
+    assert names(job) == ["best_step_00000002", "step_00000003"]
+    other = setup(tmp_path / "elsewhere", init_seed=3)
+    assert other.ckpt.resume(str(tmp_path / "run" / "checkpoints" / "best_step_00000002")).step == 2
+    assert same_tensors(params(other), weights)
+
+
+# --- atomic saves --------------------------------------------------------------------------------
+
+def crash(output_dir, *args, **kwargs):
+    """accelerator.save_state killed half-way: a partial file written, then the error."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / "model.safetensors").write_bytes(b"half a tensor")
+    (Path(output_dir) / "stray.bin").write_bytes(b"from the interrupted save")
+    raise OSError("No space left on device")
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(job, monkeypatch, capsys):
+    job.ckpt.save(Progress(step=2))
+    weights = params(job)
+    before = snapshot(job.ckpt.dir)
+
+    monkeypatch.setattr(job.accelerator, "save_state", crash)
+    train(job, 1)
+    with pytest.raises(OSError, match="No space left"):
+        job.ckpt.save(Progress(step=4))
+    leftover = job.ckpt.dir / ".tmp-step_00000004"
+    assert leftover.is_dir()
+    assert names(job) == ["step_00000002"]
+    assert {k: v for k, v in snapshot(job.ckpt.dir).items() if not k.startswith(".tmp-")} == before
+    monkeypatch.undo()
+
+    # The next job resumes from the last complete checkpoint and says it skipped the broken one.
+    capsys.readouterr()
+    again = setup(job.ckpt.output_dir, init_seed=7)
+    assert again.ckpt.resume("auto").step == 2
+    assert same_tensors(params(again), weights)
+    assert f"ignoring incomplete checkpoint {leftover}" in capsys.readouterr().out
+    # Its next save (at the same step, as resumed runs do) clears the leftover: nothing of it remains.
+    again.ckpt.save(Progress(step=4))
+    assert not leftover.exists()
+    assert not list(again.ckpt.dir.glob(".tmp-*"))
+    assert names(again) == ["step_00000002", "step_00000004"]
+    files = lambda name: sorted(p.name for p in (again.ckpt.dir / name).iterdir())  # noqa: E731
+    assert files("step_00000004") == files("step_00000002")
+
+
+def test_an_explicit_path_to_an_interrupted_save_is_refused(job, monkeypatch):
+    monkeypatch.setattr(job.accelerator, "save_state", crash)
+    with pytest.raises(OSError):
+        job.ckpt.save(Progress(step=1))
+    with pytest.raises(UsageError, match="not a complete checkpoint"):
+        job.ckpt.resume(str(job.ckpt.dir / ".tmp-step_00000001"))
+
+
+# --- resume arguments and refusals ------------------------------------------------------------------
+
+def test_resume_none_refuses_a_folder_with_checkpoints_and_changes_nothing(job, tmp_path):
+    job.ckpt.save(Progress(step=2))
+    (job.ckpt.output_dir / "metrics.jsonl").write_text('{"step": 2}\n')
+    before = snapshot(job.ckpt.output_dir)
+    fresh = setup(job.ckpt.output_dir, init_seed=1)
+    with pytest.raises(UsageError, match="already holds checkpoints.*--resume auto") as info:
+        fresh.ckpt.resume("none")
+    assert "\n" not in str(info.value)
+    assert snapshot(job.ckpt.output_dir) == before
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(job):
+    job.ckpt.save(Progress(step=1))
+    progress = Progress(step=3)
+    job.ckpt.save_best(progress, 0.5)
+    progress.batches_in_epoch = 7
+    job.ckpt.save(progress)  # same step as the best, newer progress
+    job.ckpt.save(Progress(step=2))
+    (job.ckpt.dir / "step_00000009").mkdir()  # a folder without progress.json is not a checkpoint
+    (job.ckpt.dir / "step_00000009" / "model.safetensors").write_bytes(b"")
+    assert names(job) == ["step_00000001", "step_00000002", "best_step_00000003", "step_00000003"]
+    resumed = setup(job.ckpt.output_dir, init_seed=2)
+    assert resumed.ckpt.resume("auto") == Progress(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
+
+
+def test_resume_none_and_auto_in_an_empty_folder_start_fresh(tmp_path, fresh_accelerate):
+    for mode in ("none", "auto"):
+        job = setup(tmp_path / mode)
+        assert job.ckpt.resume(mode) == Progress()
+        assert (tmp_path / mode / "run.json").is_file()
+
+
+def test_resume_path_that_does_not_exist(job, tmp_path):
+    with pytest.raises(UsageError, match="no such checkpoint folder"):
+        job.ckpt.resume(str(tmp_path / "nowhere"))
+
+
+def test_resume_path_without_progress(job, tmp_path):
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(UsageError, match="not a complete checkpoint"):
+        job.ckpt.resume(str(tmp_path / "junk"))
+
+
+def test_output_folder_of_another_template_is_refused(job, tmp_path):
+    job.ckpt.save(Progress(step=1))
+    other = setup(job.ckpt.output_dir, template="language_model")
+    for mode in ("auto", "none"):
+        with pytest.raises(UsageError, match="holds a run of template 'tiny'"):
+            other.ckpt.resume(mode)
+
+
+def test_checkpoint_of_another_template_is_refused(job, tmp_path):
+    path = job.ckpt.save(Progress(step=1))
+    other = setup(tmp_path / "other_run", template="language_model")
+    with pytest.raises(UsageError, match="written by template 'tiny', not 'language_model'"):
+        other.ckpt.resume(str(path))
+
+
+def test_checkpoint_for_another_model_shape_is_refused_in_one_line(job, tmp_path):
+    path = job.ckpt.save(Progress(step=1))
+    wider = setup(tmp_path / "wider", width=16)
+    with pytest.raises(UsageError) as info:
+        wider.ckpt.resume(str(path))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint {path} does not fit this model and optimizer: ")
+
+
+def test_unreadable_progress_or_run_file_is_a_usage_error(job):
+    path = job.ckpt.save(Progress(step=1))
+    (path / PROGRESS_FILE).write_text("{not json")
+    with pytest.raises(UsageError, match="unreadable progress.json"):
+        read_progress(path)
+    (job.ckpt.output_dir / "run.json").write_text("\x00")
+    with pytest.raises(UsageError, match="run.json is unreadable"):
+        job.ckpt.resume("auto")
+
+
+def test_resume_with_another_world_size_warns(job, capsys):
+    path = job.ckpt.save(Progress(step=1))
+    meta = json.loads((path / PROGRESS_FILE).read_text())
+    (path / PROGRESS_FILE).write_text(json.dumps(meta | {"world_size": 4}))
+    capsys.readouterr()
+    assert job.ckpt.resume("auto").step == 1
+    assert "written by 4 process(es), resuming with 1" in capsys.readouterr().out
+
+
+# --- exported weights --------------------------------------------------------------------------------
+
+def test_export_round_trip_into_a_plain_model(job, tmp_path):
+    train(job, 2)
+    path = export_weights(job.accelerator, job.model, tmp_path / "out" / "model.safetensors")
+    assert path.is_file() and not list(path.parent.glob(".tmp-*"))
+    plain = Tiny()
+    load_exported(plain, path)
+    assert same_tensors(plain.state_dict(), params(job))
+
+
+def test_export_of_tied_weights_stores_the_tensor_once(tmp_path, fresh_accelerate):
+    accelerator = build_accelerator(seed=0)
+    torch.manual_seed(0)
+    model = accelerator.prepare(TiedLM())
+    path = export_weights(accelerator, model, tmp_path / "model.safetensors")
+    with safe_open(str(path), framework="pt") as handle:
+        keys = set(handle.keys())
+        tied = json.loads(handle.metadata()["tied"])
+    assert keys == {"embed.weight", "norm.weight", "norm.bias"}  # out.weight is not stored a second time
+    assert tied == {"out.weight": "embed.weight"}
+    torch.manual_seed(1)
+    plain = TiedLM()
+    load_exported(plain, path)
+    assert same_tensors(plain.state_dict(), model.state_dict())
+    assert plain.out.weight is plain.embed.weight  # still one parameter after loading
+
+
+def test_load_exported_refuses_a_model_of_another_shape(job, tmp_path):
+    path = export_weights(job.accelerator, job.model, tmp_path / "model.safetensors")
+    with pytest.raises(UsageError, match=r"does not fit this model: shape of net.0.weight is \(8, 4\), the model has \(16, 4\)"):
+        load_exported(Tiny(width=16), path)
+    with pytest.raises(UsageError, match="does not fit this model: missing"):
+        load_exported(TiedLM(), path)
+
+
+def test_load_exported_refuses_a_file_that_is_not_an_export(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UsageError, match="not a readable safetensors export"):
+        load_exported(Tiny(), tmp_path / "model.safetensors")
+    with pytest.raises(UsageError, match="not a readable safetensors export"):
+        load_exported(Tiny(), tmp_path / "missing.safetensors")
+
+
+# --- two ranks ----------------------------------------------------------------------------------------
+
+TWO_RANK_SCRIPT = textwrap.dedent("""
+    import json, random, sys
+    import numpy as np
+    import torch
+    sys.path.insert(0, {repo!r})
+    sys.path.insert(0, {tests!r})
+    from accelerate.utils import set_seed
+    from common.checkpoint import CheckpointManager, Progress
+    from test_checkpoint import setup, train
+
+    output = sys.argv[1]
+    job = setup(output)
+    set_seed(0, device_specific=True)  # as the templates do: each rank its own RNG stream
+    job.ckpt.resume("auto")
+    train(job, 2)
+    job.ckpt.save(Progress(step=2))
+    after_save = [torch.rand(2).tolist(), float(np.random.rand()), random.random()]
+    ticks = job.scheduler.scheduler.last_epoch
+    torch.manual_seed(99); np.random.seed(99); random.seed(99)
+    again = CheckpointManager(job.accelerator, output, template="tiny", config={{"width": 8}}, metric="val/accuracy")
+    progress = again.resume("auto")
+    after_load = [torch.rand(2).tolist(), float(np.random.rand()), random.random()]
+    with open(f"{{output}}/rank{{job.accelerator.process_index}}.json", "w") as handle:
+        json.dump({{"world": job.accelerator.num_processes, "after_save": after_save, "after_load": after_load,
+                   "step": progress.step, "ticks": ticks, "ticks_restored": job.scheduler.scheduler.last_epoch}}, handle)
+""")
+
+
+def test_two_ranks_save_and_restore_each_ranks_rng(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANK_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests")))
+    output = tmp_path / "run"
+    result = launch("cpu_ddp.yaml", script, str(output), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((output / f"rank{r}.json").read_text()) for r in (0, 1)]
+    checkpoint = output / "checkpoints" / "step_00000002"
+    assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
+    assert read_progress(checkpoint)["world_size"] == 2
+    for rank in ranks:
+        assert rank["world"] == 2 and rank["step"] == 2
+        assert rank["after_load"] == rank["after_save"]  # each rank got its own RNG state back ...
+        assert rank["ticks"] == rank["ticks_restored"] == 2  # one scheduler tick per optimizer step
+    assert ranks[0]["after_save"] != ranks[1]["after_save"]  # ... and not the other rank's
+    assert not list((output / "checkpoints").glob(".tmp-*"))
