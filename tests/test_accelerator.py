@@ -72,6 +72,9 @@ def test_build_accelerator_on_a_gpu_asks_for_what_the_gpu_has(monkeypatch, has_b
     assert loader_config.non_blocking is True  # asynchronous host-to-GPU copies (pinned memory)
     (handler,) = args["kwargs_handlers"]
     assert handler.timeout == timedelta(seconds=42)
+    # One scheduler tick per optimizer step whatever the world size (the templates size schedules so);
+    # the 2-rank test in test_checkpoint.py checks the ticks themselves.
+    assert args["step_scheduler_with_optimizer"] is False
 
 
 def test_build_accelerator_force_cpu_ignores_the_gpu(monkeypatch):
