@@ -25,10 +25,16 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
-def default_num_workers(world_size: int = 1) -> int:
-    """Leave one core for the training process; share the rest between the ranks on this machine."""
+def default_num_workers(local_processes: int | None = None) -> int:
+    """Leave one core for the training process; share the rest between the processes on this machine.
+
+    `local_processes` defaults to LOCAL_WORLD_SIZE, which the launcher sets (ranks on other machines
+    have their own cores).
+    """
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(8, (cores - 1) // max(1, world_size)))
+    return max(0, min(8, (cores - 1) // max(1, local_processes)))
 
 
 def build_loader(

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_seed(cfg.seed)  # the same initial weights on every rank
 
     train_set, val_set, in_channels, num_classes = load_datasets(cfg)
-    num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers(accelerator.num_processes))
+    num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers())
     loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
     train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **loader_args)
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
