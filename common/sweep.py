@@ -1,0 +1,339 @@
+"""Read a W&B sweep file and turn it into what the local runner needs: Optuna suggestions and trial commands.
+
+One sweep YAML (see sweeps/) serves `wandb sweep` + `wandb agent` and `python -m common.search`.
+W&B's own package (`sweeps`, installed by `wandb[sweeps]`) checks the file, so a file this module
+accepts is a file W&B accepts. Its distributions map to Optuna like this:
+
+    value (constant)                 passed as is, not searched
+    values                           suggest_categorical (lists and dicts as choices too)
+    int_uniform                      suggest_int(min, max)
+    uniform                          suggest_float(min, max)
+    log_uniform_values               suggest_float(min, max, log=True)
+    inv_log_uniform_values           the same: its values are log-uniform on [min, max] too
+    q_uniform                        suggest_int / suggest_float(min, max, step=q): the grid min, min+q, ...
+    q_log_uniform_values             suggest_float(min, max, log=True), then rounded to a multiple of q
+                                     as W&B does (an int when q is an int)
+    log_uniform, inv_log_uniform,    (min/max as exponents) W&B's own check refuses them: use the
+    q_log_uniform                    *_values forms
+    categorical_w_probabilities,     refused with an error naming the parameter: Optuna has no
+    normal, log_normal, q_normal,    weighted choices and samples only bounded ranges
+    q_log_normal, beta, q_beta,
+    nested parameters
+
+Trial commands are built the way `wandb agent` builds them (wandb/wandb_agent.py, `_command_run`):
+each `${macro}` token of `command` is replaced by its list of words, `${args}` by `--name=value`
+with Python's `str()` of each value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.errors import UsageError
+
+DEFAULT_COMMAND = ["${env}", "${interpreter}", "${program}", "${args}"]  # wandb's default
+ARG_MACROS = ("args", "args_no_equals", "args_no_boolean_flags")  # forms the runner can add --output_dir to
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+
+# W&B's name for each schema definition in its sweep JSON schema
+_DISTRIBUTION = {
+    "param_single_value": "constant",
+    "param_categorical": "categorical",
+    "param_categorical_w_probabilities": "categorical_w_probabilities",
+    "param_int_uniform": "int_uniform",
+    "param_uniform": "uniform",
+    "param_loguniform": "log_uniform",
+    "param_loguniform_v2": "log_uniform_values",
+    "param_inv_loguniform": "inv_log_uniform",
+    "param_inv_loguniform_v2": "inv_log_uniform_values",
+    "param_quniform": "q_uniform",
+    "param_qloguniform": "q_log_uniform",
+    "param_qloguniform_v2": "q_log_uniform_values",
+    "param_normal": "normal",
+    "param_qnormal": "q_normal",
+    "param_lognormal": "log_normal",
+    "param_qlognormal": "q_log_normal",
+    "param_beta": "beta",
+    "param_qbeta": "q_beta",
+    "param_dict": "nested parameters",
+}
+_UNSUPPORTED = {
+    "categorical_w_probabilities": "Optuna has no weighted choices; drop `probabilities` or list likely values twice",
+    "normal": "Optuna samples only bounded ranges; use uniform with min/max",
+    "q_normal": "Optuna samples only bounded ranges; use q_uniform with min/max",
+    "log_normal": "Optuna samples only bounded ranges; use log_uniform_values with min/max",
+    "q_log_normal": "Optuna samples only bounded ranges; use q_log_uniform_values with min/max",
+    "beta": "Optuna has no beta prior; use uniform with min/max",
+    "q_beta": "Optuna has no beta prior; use q_uniform with min/max",
+    "nested parameters": "the templates take flat --name=value options; flatten it",
+}
+
+
+def _import_sweeps():
+    with warnings.catch_warnings():  # the package still uses a pydantic v1 config key
+        warnings.simplefilter("ignore")
+        import sweeps
+        from sweeps.config import schema
+
+    return sweeps, schema
+
+
+@dataclass
+class Param:
+    """One sweep parameter and how to draw it with Optuna."""
+
+    name: str
+    distribution: str  # W&B's name, e.g. "log_uniform_values"
+    spec: dict  # the parameter's YAML entry with W&B's defaults filled in
+
+    @property
+    def constant(self) -> bool:
+        return self.distribution == "constant"
+
+    def suggest(self, trial) -> Any:
+        """Draw this parameter for an Optuna trial; returns the value the template will get."""
+        name, spec, kind = self.name, self.spec, self.distribution
+        if kind == "constant":
+            return spec["value"]
+        if kind == "categorical":
+            values = spec["values"]
+            if all(isinstance(v, _SCALAR_TYPES) for v in values):
+                return trial.suggest_categorical(name, values)
+            # Optuna choices must be scalars: choose among the JSON texts and decode the pick.
+            return json.loads(trial.suggest_categorical(name, [json.dumps(v) for v in values]))
+        if kind == "int_uniform":
+            return trial.suggest_int(name, spec["min"], spec["max"])
+        if kind == "uniform":
+            return trial.suggest_float(name, spec["min"], spec["max"])
+        if kind in ("log_uniform_values", "inv_log_uniform_values"):
+            return trial.suggest_float(name, spec["min"], spec["max"], log=True)
+        q = spec.get("q", 1.0)
+        if kind == "q_uniform":
+            if all(isinstance(spec[k], int) and not isinstance(spec[k], bool) for k in ("min", "max")) and isinstance(q, int):
+                return trial.suggest_int(name, spec["min"], spec["max"], step=q)
+            return trial.suggest_float(name, spec["min"], spec["max"], step=q)
+        if kind == "q_log_uniform_values":
+            value = round(trial.suggest_float(name, spec["min"], spec["max"], log=True) / q) * q  # W&B: round(x / q) * q
+            return int(value) if isinstance(q, int) else float(value)
+        raise AssertionError(f"unmapped distribution {kind}")  # load_sweep refuses these
+
+    def grid(self) -> list:
+        """The values grid search walks through; only discrete parameters have them."""
+        spec, kind = self.spec, self.distribution
+        if kind == "constant":
+            return [spec["value"]]
+        if kind == "categorical":
+            return list(spec["values"])
+        if kind == "int_uniform":
+            return list(range(spec["min"], spec["max"] + 1))
+        raise UsageError(f"parameter {self.name}: grid search needs listed values, a constant or int_uniform, not {kind}")
+
+
+@dataclass
+class Sweep:
+    """A checked sweep file."""
+
+    path: Path
+    config: dict
+    metric: str
+    goal: str  # "maximize" or "minimize"
+    method: str
+    program: str | None
+    command: list[str]
+    params: dict[str, Param] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("name") or self.path.stem)
+
+    @property
+    def direction(self) -> str:
+        return self.goal
+
+    @property
+    def early_terminate(self) -> dict | None:
+        return self.config.get("early_terminate")
+
+    def suggest(self, trial) -> dict[str, Any]:
+        """Values for every parameter (constants included), in the file's order."""
+        return {name: param.suggest(trial) for name, param in self.params.items()}
+
+    def constants(self) -> dict[str, Any]:
+        return {name: p.spec["value"] for name, p in self.params.items() if p.constant}
+
+    def grid_space(self) -> dict[str, list]:
+        """Searched parameters and their grids, for method: grid."""
+        return {name: p.grid() for name, p in self.params.items() if not p.constant}
+
+
+def load_sweep(path: str | os.PathLike) -> Sweep:
+    """Read and check a sweep YAML; every problem is a UsageError naming the file (and parameter)."""
+    path = Path(path)
+    where = f"sweep file {path}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{where}: not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"{where}: cannot read it ({getattr(error, 'strerror', None) or error})") from None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"{where}: not valid YAML ({getattr(error, 'problem', None) or error}{at})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{where}: expected a mapping (method, metric, parameters, ...), got {type(config).__name__}")
+    parameters = config.get("parameters")
+    if not isinstance(parameters, dict) or not parameters:
+        raise UsageError(f"{where}: needs a `parameters:` mapping of parameter names to distributions")
+
+    sweeps, schema = _import_sweeps()
+    params = {str(name): _check_param(where, str(name), spec, schema) for name, spec in parameters.items()}
+    for name, param in params.items():
+        if param.distribution in _UNSUPPORTED:
+            raise UsageError(f"{where}: parameter {name}: {param.distribution} cannot be searched locally "
+                             f"({_UNSUPPORTED[param.distribution]})")
+        if name == "output_dir":
+            raise UsageError(f"{where}: parameter output_dir: the runners give every trial its own output_dir; remove it")
+    violations = sweeps.schema_violations_from_proposed_config(config)
+    if violations:
+        more = f" (and {len(violations) - 1} more problem(s))" if len(violations) > 1 else ""
+        raise UsageError(f"{where}: {' '.join(violations[0].split())}{more}")
+
+    metric = config.get("metric")
+    if not isinstance(metric, dict) or not metric.get("name"):
+        raise UsageError(f"{where}: needs `metric: {{name: ..., goal: maximize|minimize}}` naming a metric the template logs")
+    command = config.get("command") or list(DEFAULT_COMMAND)
+    if not all(isinstance(token, (str, int, float)) for token in command):
+        raise UsageError(f"{where}: command must be a list of words")
+    command = [str(token) for token in command]
+    if not any(token in {f"${{{m}}}" for m in ARG_MACROS} for token in command):
+        raise UsageError(f"{where}: command needs ${{args}} (or ${{args_no_equals}}) so each trial gets its options")
+    if "${program}" in command and not config.get("program"):
+        raise UsageError(f"{where}: command uses ${{program}} but the file sets no `program:`")
+    return Sweep(
+        path=path,
+        config=config,
+        metric=str(metric["name"]),
+        goal=metric.get("goal", "minimize"),
+        method=str(config.get("method")),
+        program=config.get("program"),
+        command=command,
+        params=params,
+    )
+
+
+def _check_param(where: str, name: str, spec: Any, schema) -> Param:
+    prefix = f"{where}: parameter {name}"
+    if not isinstance(spec, dict):
+        raise UsageError(f"{prefix}: expected a mapping such as {{values: [...]}} or {{min: ..., max: ...}}, got {spec!r}")
+    for key in ("min", "max", "q", "mu", "sigma", "a", "b"):
+        value = spec.get(key)
+        if isinstance(value, str):
+            try:
+                float(value)
+            except ValueError:
+                continue
+            raise UsageError(f"{prefix}: {key}: {value!r} is text to YAML; write a number like 1.0e-4 (with a dot)")
+    distribution = spec.get("distribution")
+    if distribution is not None and distribution not in _DISTRIBUTION.values():
+        known = ", ".join(sorted(v for v in _DISTRIBUTION.values() if " " not in v))
+        raise UsageError(f"{prefix}: unknown distribution {distribution!r} (W&B defines: {known})")
+    try:
+        filled = schema.fill_parameter(name, spec)
+    except schema.ParamValidationError:  # W&B's nested `parameters:` block
+        filled = ("param_dict", spec)
+    except ValueError as error:  # min >= max
+        message = str(error)
+        raise UsageError(f"{where}: {message if message.startswith(name) else f'parameter {name}: {message}'}") from None
+    if filled is None:
+        raise UsageError(f"{prefix}: {spec!r} is not a W&B parameter (need value, values, or min/max with a distribution)")
+    kind, filled_spec = filled
+    return Param(name=name, distribution=_DISTRIBUTION[kind], spec=filled_spec)
+
+
+# ------------------------------------------------------------------------------------ commands
+def format_args(values: dict[str, Any]) -> dict[str, list[str]]:
+    """The word lists `wandb agent` substitutes for its args macros (sdk/launch/sweeps/utils.py)."""
+    args, no_equals, no_booleans, no_hyphens = [], [], [], []
+    for name, value in values.items():
+        args.append(f"--{name}={value}")
+        no_equals += [f"--{name}", str(value)]
+        no_hyphens.append(f"{name}={value}")
+        if isinstance(value, bool):
+            if value:
+                no_booleans.append(f"--{name}")
+        else:
+            no_booleans.append(f"--{name}={value}")
+    return {
+        "args": args,
+        "args_no_equals": no_equals,
+        "args_no_boolean_flags": no_booleans,
+        "args_no_hyphens": no_hyphens,
+        "args_json": [json.dumps(values)],
+    }
+
+
+def expand_envvars(token: str) -> str:
+    """`${envvar:NAME}` becomes $NAME (or NAME when unset), as wandb does."""
+    import re
+
+    return re.sub(r"\$\{envvar:([A-Z0-9_]*)\}", lambda m: os.environ.get(m.group(1), m.group(1)), token)
+
+
+def build_command(sweep: Sweep, values: dict[str, Any], extra: list[str] = (), output_dir: str | None = None) -> list[str]:
+    """The argument list for one trial: the sweep's command with its macros filled in.
+
+    `extra` (options given after `--` to the runner) and `--output_dir` follow the parameters,
+    so they win over values of the same name. `accelerate launch` gets a free
+    `--main_process_port` unless the command names one, so trials on one machine never share a port.
+    """
+    tail = list(extra) + ([f"--output_dir={output_dir}"] if output_dir is not None else [])
+    words = format_args(values)
+    macros = {
+        "env": ["/usr/bin/env"] if os.name == "posix" else [],
+        "interpreter": ["python"],
+        "program": [str(sweep.program)] if sweep.program else [],
+    }
+    argv: list[str] = []
+    for token in sweep.command:
+        token = expand_envvars(token)
+        if token.startswith("${") and token.endswith("}"):
+            macro = token[2:-1]
+            if macro in ARG_MACROS:
+                argv += words[macro] + tail
+            elif macro in macros:
+                argv += macros[macro]
+            else:
+                raise UsageError(f"sweep file {sweep.path}: command macro {token} is not supported by the local runner "
+                                 f"(supported: {', '.join('${' + m + '}' for m in [*macros, *ARG_MACROS])})")
+        else:
+            argv.append(token)
+    return add_launch_port(argv)
+
+
+def add_launch_port(argv: list[str]) -> list[str]:
+    """Give `accelerate launch` its own free rendezvous port unless the command sets one."""
+    if any(token.startswith("--main_process_port") for token in argv):
+        return argv
+    for i, token in enumerate(argv[:-1]):
+        if (os.path.basename(token) == "accelerate" and argv[i + 1] == "launch") or token == "accelerate.commands.launch":
+            at = i + 2 if argv[i + 1] == "launch" else i + 1
+            return argv[:at] + [f"--main_process_port={free_port()}"] + argv[at:]
+    return argv
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
