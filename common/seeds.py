@@ -1,0 +1,180 @@
+"""Re-run one set of parameters with several seeds and report the metric as mean ± std.
+
+    python -m common.seeds --results runs/search/image_classification/results.json --seeds 0,1,2
+    python -m common.seeds --results runs/search/image_classification/results.json --trial 7
+    python -m common.seeds --sweep sweeps/image_classification.yaml --seeds 0,1,2 -- --learning_rate=0.003
+
+The parameters are the best trial's of a search (`--results`, written by common.search), or the trial
+`--trial` names, or only the sweep's constants; options after `--` are added last and win. Each seed
+runs the sweep's command once, one after the other, with `--seed=<seed>` and its own `--output_dir`
+<output_dir>/<name>/seed_<seed>. A seed's value is the metric's last logged value (what the search
+optimizes too). The report, printed and saved to <output_dir>/<name>/seeds.json, lists every seed's
+value, their mean, and their sample standard deviation (ddof=1; null with fewer than two seeds).
+Exit code 1 when a seed failed (its error is listed; the statistics use the seeds that completed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import parse_config
+from common.errors import UsageError, report_usage_errors
+from common.search import split_passthrough
+from common.sweep import build_command, load_sweep
+from common.trial import run_trial, trial_env
+
+REPORT_FILE = "seeds.json"
+
+
+@dataclass
+class SeedsConfig:
+    """Re-run the best (or any) parameters of a sweep with several seeds; report mean and sample std."""
+
+    results: str | None = field(default=None, metadata={"help": "results.json of a search: take its best trial's parameters."})
+    trial: int = field(default=-1, metadata={"help": "With --results: this trial number instead of the best."})
+    sweep: str | None = field(default=None, metadata={"help": "The sweep YAML (command, metric, constants); default: the one --results names."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds to run, e.g. 0,1,2."})
+    output_dir: str = field(default="runs/seeds", metadata={"help": "Runs go to <output_dir>/<name>/seed_<seed>."})
+    name: str | None = field(default=None, metadata={"help": "Folder name under output_dir; default: the study's or sweep's name."})
+    timeout_s: float = field(default=0.0, metadata={"help": "Stop and fail a run after this many seconds (0: no limit)."})
+    grace_s: float = field(default=10.0, metadata={"help": "Seconds between SIGTERM and SIGKILL when a run is stopped."})
+
+    def __post_init__(self):
+        if not self.seeds:
+            raise ValueError("seeds must list at least one seed")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must differ, got {self.seeds}")
+        if self.results is None and self.sweep is None:
+            raise ValueError("give --results (a search's results.json) or --sweep (a sweep file)")
+        if self.results is None and self.trial != -1:
+            raise ValueError("--trial needs --results")
+
+
+def summarize(values: list[float]) -> dict:
+    """Mean and sample standard deviation (ddof=1) of the values; std is None for fewer than two."""
+    return {
+        "n": len(values),
+        "mean": statistics.fmean(values) if values else None,
+        "std": statistics.stdev(values) if len(values) >= 2 else None,
+        "std_kind": "sample standard deviation (ddof=1)",
+    }
+
+
+def read_results(path: str, trial: int) -> tuple[dict, dict]:
+    """(the results file, the chosen trial's record)."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--results {path}: not found") from None
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--results {path}: not a results.json of common.search ({error})") from None
+    if not isinstance(results, dict) or "trials" not in results:
+        raise UsageError(f"--results {path}: not a results.json of common.search")
+    if trial == -1:
+        if not results.get("best"):
+            raise UsageError(f"--results {path}: the study has no complete trial yet")
+        return results, results["best"]
+    for record in results["trials"]:
+        if record["number"] == trial:
+            return results, record
+    raise UsageError(f"--results {path}: no trial {trial} (it has {', '.join(str(t['number']) for t in results['trials'])})")
+
+
+def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
+    if any(token.split("=")[0] in ("--output_dir", "--seed") for token in extra):
+        raise UsageError("--seed/--output_dir after `--`: the runner sets them for every seed")
+    params: dict = {}
+    results = None
+    source = "the sweep's constants"
+    if cfg.results:
+        results, record = read_results(cfg.results, cfg.trial)
+        params = dict(record.get("args") or {})
+        source = f"trial {record['number']} of {cfg.results}"
+    sweep_path = cfg.sweep or (results or {}).get("sweep")
+    sweep = load_sweep(sweep_path)
+    if not cfg.results:
+        params = sweep.constants()
+    params.pop("seed", None)
+    name = cfg.name or (results or {}).get("study_name") or sweep.name
+    base = Path(cfg.output_dir) / name
+    taken = [s for s in cfg.seeds if (base / f"seed_{s}").exists()]
+    if taken:
+        raise UsageError(f"{base} already holds runs for seed(s) {', '.join(map(str, taken))}; choose another --output_dir or --name")
+    print(f"{len(cfg.seeds)} seeds of {source}: " + " ".join(f"--{k}={v}" for k, v in params.items()) + " " + " ".join(extra), flush=True)
+
+    runs = []
+    for seed in cfg.seeds:
+        out = base / f"seed_{seed}"
+        argv = build_command(sweep, params, [*extra, f"--seed={seed}"], str(out))
+        print(f"seed {seed}: {out}", flush=True)
+        result = run_trial(argv, out, sweep.metric, env=trial_env(), timeout_s=cfg.timeout_s, grace_s=cfg.grace_s)
+        if result.missing_metric:
+            raise UsageError(f"seed {seed} finished without logging metric {sweep.metric!r} (it logged: "
+                             f"{', '.join(result.logged_keys) or 'nothing'}); set metric.name in {sweep.path}")
+        value = result.value if result.state == "complete" else None
+        if value is not None and not math.isfinite(value):
+            value, result.error = None, f"{sweep.metric} is not finite"
+        runs.append({
+            "seed": seed,
+            "state": "complete" if value is not None else "failed",
+            "value": value,
+            "evals": len(result.evals),
+            "output_dir": str(out),
+            "duration_s": round(result.duration_s, 2),
+            "error": None if value is not None else result.error,
+        })
+        print(f"seed {seed}: " + (f"{sweep.metric} = {value:.6g}" if value is not None else f"failed, {result.error}"), flush=True)
+
+    values = [run["value"] for run in runs if run["value"] is not None]
+    report = {
+        "metric": sweep.metric,
+        "goal": sweep.goal,
+        "sweep": str(sweep.path),
+        "source": source,
+        "params": params,
+        "extra_args": list(extra),
+        "seeds": runs,
+        **summarize(values),
+    }
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / REPORT_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+    print(format_report(report), flush=True)
+    print(f"report: {path}", flush=True)
+    if len(values) < len(runs):
+        raise SystemExit(1)
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'seed':>6}  {report['metric']}"]
+    for run in report["seeds"]:
+        lines.append(f"{run['seed']:>6}  " + (f"{run['value']:.6g}" if run["value"] is not None else f"failed: {run['error']}"))
+    if report["mean"] is None:
+        lines.append("no seed completed")
+    elif report["std"] is None:
+        lines.append(f"{report['metric']}: {report['mean']:.6g} (one seed: no standard deviation)")
+    else:
+        lines.append(f"{report['metric']}: {report['mean']:.6g} ± {report['std']:.3g} "
+                     f"(mean ± sample std, ddof=1, over {report['n']} seeds)")
+    return "\n".join(lines)
+
+
+@report_usage_errors
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, extra = split_passthrough(argv)
+    cfg = parse_config(SeedsConfig, own)
+    return run_seeds(cfg, extra)
+
+
+if __name__ == "__main__":
+    main()
