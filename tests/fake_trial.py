@@ -1,0 +1,70 @@
+"""Test helper: a stand-in for a template that logs a metric like one, in milliseconds, without torch.
+
+Takes `--name=value` options (unknown ones are ignored, like sweep parameters it does not use):
+    --output_dir   where metrics.jsonl goes (required)
+    --score        the value the metric climbs to (default: --learning_rate, else 0.5); --seed adds seed/100
+    --evals        evaluations to log (default 3), --sleep seconds between them (default 0.05)
+    --metric       the metric's name (default val/accuracy)
+    --ledger       append "<output_dir>\n" to this file at start (to count how often a trial ran)
+    --child        also start a child process that sleeps (a stand-in for a rank)
+    --ignore_term  ignore SIGTERM (so only SIGKILL ends it), also in the child
+    --fail         after the first evaluation: print "error: <value>" and exit 2
+    --crash        after the first evaluation: raise RuntimeError(<value>), print its traceback, exit 1
+                   (both then print the traceback `accelerate launch` adds when its child fails)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+
+
+def launcher_trailer(code: int) -> None:
+    """What `accelerate launch` prints after its child failed, then exit like it."""
+    print("Traceback (most recent call last):\n  File \"accelerate/commands/launch.py\", line 1049, in _run_subprocess\n"
+          f"subprocess.CalledProcessError: Command '['python', 'train.py']' returned non-zero exit status {code}.",
+          file=sys.stderr)
+    sys.exit(code)
+
+
+opts = {}
+for token in sys.argv[1:]:
+    key, _, value = token[2:].partition("=")
+    opts[key] = value
+
+out = opts["output_dir"]
+os.makedirs(out, exist_ok=True)
+if opts.get("ledger"):
+    with open(opts["ledger"], "a") as ledger:
+        ledger.write(out + "\n")
+if opts.get("ignore_term") in ("True", "true", "1"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if opts.get("child") in ("True", "true", "1"):
+    code = "import signal, time\n"
+    if opts.get("ignore_term") in ("True", "true", "1"):
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += "time.sleep(600)\n"
+    subprocess.Popen([sys.executable, "-c", code, f"fake-rank-of {out}"])
+
+score = float(opts.get("score") or opts.get("learning_rate") or 0.5) + int(opts.get("seed") or 0) / 100
+evals, pause = int(opts.get("evals", 3)), float(opts.get("sleep", 0.05))
+metric = opts.get("metric", "val/accuracy")
+for i in range(1, evals + 1):
+    time.sleep(pause)
+    with open(os.path.join(out, "metrics.jsonl"), "a") as handle:
+        handle.write(json.dumps({"step": 10 * i, "train/loss": 1.0 / i}) + "\n")
+        handle.write(json.dumps({"step": 10 * i, metric: score * i / evals, "epoch": i}) + "\n")
+    if i == 1 and opts.get("fail"):
+        print(f"error: {opts['fail']}", file=sys.stderr)
+        launcher_trailer(2)
+    if i == 1 and opts.get("crash"):
+        try:
+            raise RuntimeError(opts["crash"])
+        except RuntimeError:
+            traceback.print_exc()
+        launcher_trailer(1)
+print("done")

@@ -1,0 +1,535 @@
+"""The local search runner (common.search), its trial runner (common.trial) and the multi-seed report (common.seeds).
+
+Most tests run tests/fake_trial.py as the trial program (milliseconds, no torch); the end-to-end
+search and seed runs use the image template through `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, REPO, clean_env, free_port
+
+from common import search as search_module
+from common import seeds as seeds_module
+from common.search import SearchConfig, fail_stale_trials, make_pruner, make_sampler
+from common.seeds import summarize
+from common.sweep import build_command, load_sweep
+from common.trial import run_trial
+
+import optuna
+
+FAKE = REPO / "tests" / "fake_trial.py"
+TEMPLATE = REPO / "templates" / "image_classification.py"
+TINY_IMAGE = ["--epochs=3", "--width=8", "--depth=1", "--tracker=none"]
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def write_sweep(tmp_path: Path, name: str = "fake", **config) -> Path:
+    sweep = {
+        "name": name,
+        "program": str(FAKE),
+        "method": "random",
+        "metric": {"name": "val/accuracy", "goal": "maximize"},
+        "parameters": {"learning_rate": {"distribution": "uniform", "min": 0.1, "max": 0.9}},
+        "command": ["${env}", "${interpreter}", "${program}", "${args}"],
+    }
+    sweep.update(config)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    return path
+
+
+def cli(module: str, *args: str, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout, **popen)
+
+
+def start_cli(module: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Live processes (not zombies) whose command line contains `marker`, as 'pid: cmdline'."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmdline and state not in ("Z", "X"):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def wait_for_no_processes(marker: str, timeout: float = 10) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_mentioning(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def load_results(out: Path, study: str) -> dict:
+    return json.loads((out / study / "results.json").read_text())
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+# -------------------------------------------------------------------------- sweep -> optuna mapping
+def test_every_wandb_distribution_the_runner_accepts_samples_inside_its_range(tmp_path):
+    params = {
+        "const": {"value": 7},
+        "choice": {"values": [16, 32]},
+        "widths": {"values": [[64, 128], [256]]},
+        "flag": {"values": [True, False]},
+        "ints": {"min": 2, "max": 5},  # W&B infers int_uniform
+        "floats": {"min": 0.0, "max": 0.5},  # and uniform
+        "lr": {"distribution": "log_uniform_values", "min": 1.0e-5, "max": 1.0e-1},
+        "inv": {"distribution": "inv_log_uniform_values", "min": 0.01, "max": 10.0},
+        "qu": {"distribution": "q_uniform", "min": 0, "max": 256, "q": 32},
+        "qlu": {"distribution": "q_log_uniform_values", "min": 8, "max": 512, "q": 8},
+        "qlu_float": {"distribution": "q_log_uniform_values", "min": 0.01, "max": 1.0, "q": 0.01},
+    }
+    sweep = load_sweep(write_sweep(tmp_path, parameters=params))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = {name: set() for name in params}
+    for _ in range(60):
+        values = sweep.suggest(study.ask())
+        assert list(values) == list(params)
+        assert values["const"] == 7 and values["choice"] in (16, 32) and values["widths"] in ([64, 128], [256])
+        assert values["flag"] in (True, False) and type(values["flag"]) is bool
+        assert type(values["ints"]) is int and 2 <= values["ints"] <= 5
+        assert 0.0 <= values["floats"] <= 0.5
+        assert 1e-5 <= values["lr"] <= 1e-1
+        assert 0.01 <= values["inv"] <= 10.0
+        assert type(values["qu"]) is int and values["qu"] % 32 == 0 and 0 <= values["qu"] <= 256
+        assert type(values["qlu"]) is int and values["qlu"] % 8 == 0 and 8 <= values["qlu"] <= 512
+        assert type(values["qlu_float"]) is float and abs(values["qlu_float"] / 0.01 - round(values["qlu_float"] / 0.01)) < 1e-9
+        for name, value in values.items():
+            seen[name].add(json.dumps(value))
+    assert all(len(v) > 1 for name, v in seen.items() if name != "const"), seen
+    # log scale: about half the draws below the geometric middle
+    draws = [t.params["lr"] for t in study.trials]
+    assert 0.3 < sum(d < 1e-3 for d in draws) / len(draws) < 0.7
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, "not found"),
+    ("method: [unclosed", "not valid YAML"),
+    ("- just\n- a list\n", "expected a mapping"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: bogus, min: 1, max: 2}\n", "parameter lr: unknown distribution 'bogus'"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: normal, mu: 0.0, sigma: 1.0}\n", "parameter lr: normal cannot be searched locally"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {values: [1, 2], probabilities: [0.5, 0.5]}\n", "parameter lr: categorical_w_probabilities"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  opt: {parameters: {lr: {value: 1}}}\n", "parameter opt: nested parameters"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: log_uniform_values, min: 1e-4, max: 1.0e-2}\n", "parameter lr: min: '1e-4' is text to YAML"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {min: 0.5, max: 0.1}\n", "lr: min 0.5 is not less than max 0.1"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: log_uniform, min: -9.0, max: -2.0}\n", "lr uses log_uniform"),
+    ("method: sometimes\nmetric: {name: a}\nparameters:\n  lr: {value: 1}\n", "'sometimes' is not one of"),
+    ("method: random\nparameters:\n  lr: {value: 1}\n", "needs `metric:"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {value: 1}\ncommand: [python, train.py]\n", "command needs ${args}"),
+    ("method: random\nmetric: {name: a}\nparameters:\n  output_dir: {value: x}\n", "parameter output_dir"),
+])
+def test_bad_sweep_file_is_one_error_line_and_exit_2(tmp_path, capsys, text, expected):
+    path = tmp_path / "bad.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        search_module.main(["--sweep", str(path), "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert expected in line and str(path) in line
+
+
+@pytest.mark.parametrize("module, args, expected", [
+    (search_module, ["--pruner", "sometimes"], "pruner must be one of"),
+    (search_module, ["--n_trials", "0"], "n_trials must be at least 1"),
+    (search_module, ["--", "--output_dir=x"], "--output_dir after `--`"),
+    (search_module, ["--storage", "nosuchdb://x"], "--storage nosuchdb://x: cannot open it"),
+    (seeds_module, ["--seeds", "1,1"], "seeds must differ"),
+    (seeds_module, ["--results", "missing.json"], "--results missing.json: not found"),
+])
+def test_bad_runner_options_are_one_error_line_and_exit_2(tmp_path, capsys, module, args, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--sweep", str(write_sweep(tmp_path)), "--output_dir", str(tmp_path / "out"), *args])
+    assert exit_info.value.code == 2
+    assert expected in one_error_line(capsys.readouterr().err)
+
+
+def test_trial_runner_reads_the_file_the_tracker_writes():
+    from common import tracking, trial
+
+    assert trial.METRICS_FILE == tracking.METRICS_FILE
+
+
+def test_hyperband_settings_map_to_optunas_pruner(tmp_path):
+    cfg = SearchConfig(sweep="x")
+    sweep = load_sweep(write_sweep(tmp_path, early_terminate={"type": "hyperband", "min_iter": 3, "eta": 2}))
+    pruner, _ = make_pruner("auto", sweep, cfg)
+    assert isinstance(pruner, optuna.pruners.HyperbandPruner)
+    assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (3, "auto", 2)
+    sweep = load_sweep(write_sweep(tmp_path, early_terminate={"type": "hyperband", "max_iter": 27, "s": 2}))
+    pruner, _ = make_pruner("auto", sweep, cfg)
+    assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (3, 27, 3)  # bands 3, 9 as W&B
+    sweep = load_sweep(write_sweep(tmp_path))  # no early_terminate
+    assert isinstance(make_pruner("auto", sweep, cfg)[0], optuna.pruners.MedianPruner)
+    assert isinstance(make_pruner("none", sweep, cfg)[0], optuna.pruners.NopPruner)
+
+
+def test_sampler_is_seeded_per_trial(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, parameters={"lr": {"distribution": "log_uniform_values", "min": 1.0e-5, "max": 1.0}}))
+
+    def draws(seed, kind):
+        study = optuna.create_study(sampler=make_sampler(kind, sweep, seed))
+        out = []
+        for _ in range(4):
+            trial = study.ask()
+            out.append(sweep.suggest(trial)["lr"])
+            study.tell(trial, out[-1])
+        return out
+
+    for kind in ("tpe", "random"):
+        assert draws(0, kind) == draws(0, kind)  # one worker repeats itself
+        assert draws(0, kind) != draws(1, kind)
+        assert len(set(draws(0, kind))) == 4  # trial numbers differ, so draws differ (two workers never share a seed)
+
+
+def test_trial_command_is_the_sweep_command_with_macros_filled(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, command=["${env}", "accelerate", "launch", "--config_file", "c.yaml", "${program}", "${args}", "--x=1"]))
+    argv = build_command(sweep, {"lr": 0.5, "aug": True, "w": [1, 2]}, ["--epochs=3"], "/out")
+    assert argv[:3] == ["/usr/bin/env", "accelerate", "launch"] and argv[3].startswith("--main_process_port=")
+    assert argv[4:] == ["--config_file", "c.yaml", str(FAKE), "--lr=0.5", "--aug=True", "--w=[1, 2]", "--epochs=3", "--output_dir=/out", "--x=1"]
+
+
+# ------------------------------------------------------------------------------------ trial runner
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["sigterm", "sigkill-after-grace"])
+def test_stopped_trial_takes_its_whole_process_group_down(tmp_path, ignore_term):
+    """The job and the child it started (a stand-in for a rank) get SIGTERM; SIGKILL follows after the grace period."""
+    out = tmp_path / "trial"
+    argv = [sys.executable, str(FAKE), f"--output_dir={out}", "--evals=100", "--sleep=0.2", "--child=true",
+            f"--ignore_term={ignore_term}"]
+    reports, asked = [], []
+
+    def should_stop():
+        asked.append(time.monotonic())
+        return len(reports) >= 2
+
+    grace = 1.5 if ignore_term else 5.0
+    result = run_trial(argv, out, "val/accuracy", report=lambda i, step, v: reports.append((i, step, v)),
+                       should_stop=should_stop, grace_s=grace, poll_s=0.05)
+    stopping_took = time.monotonic() - asked[-1]
+    assert result.state == "stopped"
+    assert [r[:2] for r in reports] == [(1, 10), (2, 20)]
+    if ignore_term:
+        assert grace <= stopping_took < grace + 3
+    else:
+        assert stopping_took < 2.5  # all of the group went on SIGTERM, no wait for the grace period
+    assert processes_mentioning(str(out)) == []  # the child ("rank") is gone too, at once
+
+
+def test_failed_trial_reports_its_last_error_line(tmp_path):
+    result = run_trial([sys.executable, str(FAKE), f"--output_dir={tmp_path / 'a'}", "--crash=out of cheese"],
+                       tmp_path / "a", "val/accuracy", poll_s=0.05)
+    assert result.state == "failed" and result.error == "exit 1: RuntimeError: out of cheese"  # not the launcher's error
+    result = run_trial([sys.executable, str(FAKE), f"--output_dir={tmp_path / 'b'}", "--fail=no such data"],
+                       tmp_path / "b", "val/accuracy", poll_s=0.05)
+    assert result.state == "failed" and result.error == "exit 2: error: no such data"
+    result = run_trial([sys.executable, str(FAKE), f"--output_dir={tmp_path / 'c'}", "--metric=val/acc"],
+                       tmp_path / "c", "val/accuracy", poll_s=0.05)
+    assert result.state == "failed" and result.missing_metric and "val/acc" in result.logged_keys
+
+
+def test_failed_trials_are_marked_failed_with_their_error(tmp_path):
+    sweep = write_sweep(tmp_path, parameters={"crash": {"value": "boom at step 1"}})
+    out = tmp_path / "out"
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--max_failures", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "trial 0: failed, exit 1: RuntimeError: boom at step 1" in done.stdout
+    results = load_results(out, "fake")
+    assert results["counts"] == {"fail": 2}
+    assert all(t["error"] == "exit 1: RuntimeError: boom at step 1" for t in results["trials"])
+
+
+def test_metric_the_trial_never_logs_is_a_usage_error(tmp_path):
+    sweep = write_sweep(tmp_path, metric={"name": "val/accuracy", "goal": "maximize"}, parameters={"metric": {"value": "val/acc"}})
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "3")
+    assert done.returncode == 2
+    line = one_error_line(done.stderr)
+    assert "trial 0 finished without logging metric 'val/accuracy'" in line and "val/acc" in line
+
+
+# ------------------------------------------------------------------------------- end to end (real)
+@pytest.fixture(scope="module")
+def image_search(tmp_path_factory):
+    """A 5-trial search over the image template's learning rate, 3 epochs each, hyperband from the file.
+
+    min_iter 1, eta 3 and --max_resource 2 make one hyperband bracket whose rung is the first
+    evaluation: a trial is pruned there unless it is the best so far (the top third from 3 trials on).
+    The sampled learning rates depend only on the seeds; with seed 0 a poor one (chance accuracy)
+    follows a good one, so at least one trial is pruned on any machine.
+    """
+    tmp = tmp_path_factory.mktemp("image_search")
+    sweep = write_sweep(
+        tmp, name="tiny", program=str(TEMPLATE),
+        parameters={
+            "learning_rate": {"distribution": "log_uniform_values", "min": 1.0e-6, "max": 3.0e-2},
+            "warmup_steps": {"value": 0},
+            "batch_size": {"value": 128},
+        },
+        early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3},
+        command=["${env}", "accelerate", "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "${program}", "${args}"],
+    )
+    out = tmp / "out"
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--seed", "0",
+               "--max_resource", "2", "--", *TINY_IMAGE, timeout=600)
+    return sweep, out, done
+
+
+def test_search_finishes_prunes_and_leaves_no_process(image_search):
+    sweep, out, done = image_search
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = load_results(out, "tiny")
+    states = [t["state"] for t in results["trials"]]
+    assert states.count("complete") + states.count("pruned") == 5 and "fail" not in states, done.stdout
+    assert states.count("pruned") >= 1 and states.count("complete") >= 1, done.stdout
+    dirs = [t["output_dir"] for t in results["trials"]]
+    assert len(set(dirs)) == len(dirs)
+    for trial in results["trials"]:
+        logged = [json.loads(line) for line in (Path(trial["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        accuracies = [r["val/accuracy"] for r in logged if "val/accuracy" in r]
+        assert trial["evals"] <= len(accuracies) <= 3
+        if trial["state"] == "complete":
+            assert len(accuracies) == 3 and trial["value"] == accuracies[-1]
+        assert json.loads((Path(trial["output_dir"]) / "run.json").read_text())["config"]["learning_rate"] == trial["args"]["learning_rate"]
+    best = max((t for t in results["trials"] if t["state"] == "complete"), key=lambda t: t["value"])
+    assert results["best"]["number"] == best["number"] and results["best"]["params"] == best["args"]
+    assert "best parameters: --learning_rate=" in done.stdout
+    assert wait_for_no_processes(str(out)) == []
+
+
+def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search, tmp_path):
+    sweep, out, done = image_search
+    assert done.returncode == 0
+    seeds_out = tmp_path / "seeds"
+    ran = cli("common.seeds", "--results", str(out / "tiny" / "results.json"), "--seeds", "0,1", "--output_dir",
+              str(seeds_out), "--", *TINY_IMAGE, timeout=400)
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-4000:]
+    report = json.loads((seeds_out / "tiny" / "seeds.json").read_text())
+    best = load_results(out, "tiny")["best"]
+    assert report["params"] == best["params"]
+    values = []
+    for run in report["seeds"]:
+        logged = [json.loads(line) for line in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        assert run["value"] == [r["val/accuracy"] for r in logged if "val/accuracy" in r][-1]
+        assert json.loads((Path(run["output_dir"]) / "run.json").read_text())["config"]["seed"] == run["seed"]
+        values.append(run["value"])
+    assert [run["seed"] for run in report["seeds"]] == [0, 1]
+    assert report["mean"] == pytest.approx(statistics.fmean(values))
+    assert report["std"] == pytest.approx(statistics.stdev(values))
+    assert report["std_kind"] == "sample standard deviation (ddof=1)"
+    assert wait_for_no_processes(str(seeds_out)) == []
+
+
+def test_seeds_report_matches_known_values(tmp_path):
+    """The fake program's value is score + seed/100, so the statistics are known in advance."""
+    sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 2}})
+    ran = cli("common.seeds", "--sweep", str(sweep), "--seeds", "0,1,2,5", "--output_dir", str(tmp_path / "s"))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    report = json.loads((tmp_path / "s" / "fake" / "seeds.json").read_text())
+    assert [(r["seed"], r["value"]) for r in report["seeds"]] == [(0, 0.5), (1, 0.51), (2, 0.52), (5, 0.55)]
+    assert report["n"] == 4
+    assert report["mean"] == pytest.approx(0.52)
+    assert report["std"] == pytest.approx(0.0216024689946929)  # numpy.std([0.5, 0.51, 0.52, 0.55], ddof=1)
+    assert "0.52 ± 0.0216 (mean ± sample std, ddof=1, over 4 seeds)" in ran.stdout
+    assert summarize([1.0]) == {"n": 1, "mean": 1.0, "std": None, "std_kind": "sample standard deviation (ddof=1)"}
+
+
+# ----------------------------------------------------------------------- workers, storage, restarts
+def check_shared_study(storage, study_name: str, ledger: Path, n_trials: int, workers: int) -> None:
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    finished = [t for t in trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    assert n_trials <= len(finished) <= n_trials + workers - 1
+    assert all(t.state != optuna.trial.TrialState.RUNNING for t in trials)
+    numbers = [t.number for t in trials]
+    assert sorted(numbers) == list(range(len(trials)))
+    ran = ledger.read_text().splitlines()
+    assert len(ran) == len(set(ran)) == len(trials)  # every trial ran exactly once
+    assert sorted(ran) == sorted(t.user_attrs["output_dir"] for t in trials)
+    assert len({t.user_attrs["worker"]["pid"] for t in trials}) == workers  # both took part
+
+
+def run_workers(sweep: Path, out: Path, n_trials: int, *extra: str, workers: int = 2) -> list[str]:
+    procs = [start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", str(n_trials),
+                       "--seed", str(i), *extra) for i in range(workers)]
+    logs = []
+    for proc in procs:
+        stdout, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stdout
+        logs.append(stdout)
+    return logs
+
+
+def test_two_workers_share_a_journal_without_running_a_trial_twice(tmp_path):
+    ledger = tmp_path / "ledger"
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)},
+                                              "sleep": {"value": 0.15}})
+    out = tmp_path / "out"
+    run_workers(sweep, out, 8)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    check_shared_study(JournalStorage(JournalFileBackend(str(out / "fake" / "journal.log"))), "fake", ledger, 8, 2)
+
+
+def test_grid_search_runs_each_point_once_and_stops(tmp_path):
+    ledger = tmp_path / "ledger"
+    sweep = write_sweep(tmp_path, method="grid", parameters={"learning_rate": {"values": [0.2, 0.4, 0.6]},
+                                                             "evals": {"min": 1, "max": 2}, "ledger": {"value": str(ledger)}})
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "10")
+    assert done.returncode == 0, done.stdout + done.stderr
+    trials = load_results(tmp_path / "out", "fake")["trials"]
+    assert sorted((t["args"]["learning_rate"], t["args"]["evals"]) for t in trials) == [
+        (0.2, 1), (0.2, 2), (0.4, 1), (0.4, 2), (0.6, 1), (0.6, 2)]
+    assert len(ledger.read_text().splitlines()) == 6
+
+
+def test_restarted_study_continues_and_fails_the_trial_its_killed_worker_left(tmp_path):
+    ledger = tmp_path / "ledger"
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)}})
+    out = tmp_path / "out"
+    worker = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
+                       "--", "--evals=100", "--sleep=0.2")
+    deadline = time.monotonic() + 60
+    while not (out / "fake" / "trial_0000" / "metrics.jsonl").is_file():
+        assert time.monotonic() < deadline and worker.poll() is None, worker.stdout.read()
+        time.sleep(0.1)
+    worker.kill()  # SIGKILL: no chance to clean up or mark anything
+    worker.wait()
+    assert wait_for_no_processes(str(out), timeout=5) == []  # its trial died with it
+
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3", "--", "--evals=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"trial 0: marked failed, its worker (pid {worker.pid} on" in done.stdout
+    results = load_results(out, "fake")
+    assert [t["state"] for t in results["trials"]] == ["fail", "complete", "complete", "complete"]
+    assert results["trials"][0]["error"].startswith("abandoned: its worker")
+    # Started again when done: nothing left to do, no new trial.
+    again = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3")
+    assert again.returncode == 0 and len(load_results(out, "fake")["trials"]) == 4
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stopped_worker_stops_its_trial_and_marks_it_failed(tmp_path, signum):
+    sweep = write_sweep(tmp_path)
+    out = tmp_path / "out"
+    worker = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--",
+                       "--evals=100", "--sleep=0.2", "--child=true")
+    deadline = time.monotonic() + 60
+    while not processes_mentioning(f"fake-rank-of {out}"):
+        assert time.monotonic() < deadline and worker.poll() is None, worker.stdout.read()
+        time.sleep(0.1)
+    worker.send_signal(signum)
+    stdout, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 130, stdout
+    assert "run the same command to continue the study" in stdout
+    assert wait_for_no_processes(str(out), timeout=5) == []
+    trial = load_results(out, "fake")["trials"][0]
+    assert trial["state"] == "fail" and trial["error"] == "interrupted: its worker was stopped"
+
+
+def test_running_trial_without_heartbeat_is_failed_only_when_stale(tmp_path):
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    live, dead, old = study.ask(), study.ask(), study.ask()
+    live.set_user_attr("worker", {"host": "elsewhere", "pid": 1})
+    live.set_user_attr("heartbeat", time.time())
+    dead.set_user_attr("worker", {"host": "here", "pid": 2**22 + 12345})  # no such pid
+    dead.set_user_attr("heartbeat", time.time())
+    old.set_user_attr("worker", {"host": "elsewhere", "pid": 1})
+    old.set_user_attr("heartbeat", time.time() - 1000)
+    assert fail_stale_trials(study, stale_after_s=180, host="here") == [dead.number, old.number]
+    assert [t.state.name for t in study.trials] == ["RUNNING", "FAIL", "FAIL"]
+
+
+# --------------------------------------------------------------------------------------- postgres
+def postgres_bin_dir() -> Path | None:
+    candidates = [os.environ.get("PG_BIN"), os.path.dirname(shutil.which("initdb") or "")]
+    candidates += sorted((str(p) for p in Path("/usr/lib/postgresql").glob("*/bin")), key=lambda p: int(Path(p).parent.name))[::-1]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "initdb").is_file() and (Path(candidate) / "pg_ctl").is_file():
+            return Path(candidate)
+    return None
+
+
+def skip_or_fail(reason: str):
+    if os.environ.get("SEARCH_TESTS_REQUIRE_POSTGRES") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A throwaway PostgreSQL server on a free port (run as the `postgres` user when we are root)."""
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        skip_or_fail("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install postgresql, or set PG_BIN")
+    try:
+        import psycopg  # noqa: F401  the driver SQLAlchemy 2.1 uses for postgresql:// URLs
+    except ImportError:
+        skip_or_fail("no PostgreSQL driver: pip install 'psycopg[binary]'")
+    run_as: list[str] = []
+    base = Path(tempfile.mkdtemp(prefix="search-pg-"))
+    if os.geteuid() == 0:  # postgres refuses to run as root
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            skip_or_fail("running as root and there is no 'postgres' user to run the server as")
+        shutil.chown(base, "postgres")
+        run_as = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    data = base / "data"
+    try:
+        subprocess.run([*run_as, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8",
+                        "--no-sync"], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"), "-w", "-t", "60",
+                        "-o", f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off", "start"],
+                       check=True, capture_output=True, text=True, timeout=120)
+    except subprocess.CalledProcessError as error:
+        log = (base / "server.log").read_text() if (base / "server.log").is_file() else ""
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.fail(f"PostgreSQL did not start: {error.stderr or error.stdout}{log[-2000:]}")
+    yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True, timeout=60)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_two_workers_share_a_postgresql_study(tmp_path, postgres_url):
+    ledger = tmp_path / "ledger"
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)},
+                                              "sleep": {"value": 0.15}})
+    run_workers(sweep, tmp_path / "out", 6, "--storage", postgres_url, "--study_name", "pg")
+    check_shared_study(postgres_url, "pg", ledger, 6, 2)
+    assert not (tmp_path / "out" / "pg" / "journal.log").exists()
+    results = load_results(tmp_path / "out", "pg")
+    assert results["storage"] == postgres_url  # no password in this URL to hide
