@@ -294,6 +294,7 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
     out = fresh_dir(study_dir / f"trial_{trial.number:04d}")
     argv = build_command(sweep, values, extra, str(out))
     trial.set_user_attr("args", values)
+    trial.set_user_attr("extra_args", list(extra))
     trial.set_user_attr("output_dir", str(out))
     trial.set_user_attr("worker", {"host": host, "pid": os.getpid()})
     trial.set_user_attr("heartbeat", time.time())
@@ -415,6 +416,7 @@ def trial_record(trial) -> dict:
         "evals": len(trial.intermediate_values),
         "last_eval": trial.intermediate_values[max(trial.intermediate_values)] if trial.intermediate_values else None,
         "args": trial.user_attrs.get("args", {}),
+        "extra_args": trial.user_attrs.get("extra_args", []),
         "output_dir": trial.user_attrs.get("output_dir"),
         "duration_s": trial.user_attrs.get("duration_s"),
         "error": trial.user_attrs.get("error"),
@@ -470,6 +472,8 @@ def format_table(results: dict, sweep: Sweep) -> str:
         lines.append(f"best: trial {best['number']}, {results['metric']} = {best['value']:.6g} ({results['goal']}), "
                      f"output {best['output_dir']}")
         lines.append("best parameters: " + " ".join(f"--{k}={v}" for k, v in best["params"].items()))
+        if best["extra_args"]:
+            lines.append("with the options given after --: " + " ".join(best["extra_args"]))
     else:
         lines.append("no complete trial yet")
     return "\n".join(lines)

@@ -5,7 +5,9 @@
     python -m common.seeds --sweep sweeps/image_classification.yaml --seeds 0,1,2 -- --learning_rate=0.003
 
 The parameters are the best trial's of a search (`--results`, written by common.search), or the trial
-`--trial` names, or only the sweep's constants; options after `--` are added last and win. Each seed
+`--trial` names, with the options that trial got after `--` (so a seed run repeats the trial but for
+its seed); or, with only `--sweep`, the sweep's constants. Options after `--` here are added last
+and win (e.g. `-- --epochs=100` for longer runs than the search's). Each seed
 runs the sweep's command once, one after the other, with `--seed=<seed>` and its own `--output_dir`
 <output_dir>/<name>/seed_<seed>. A seed's value is the metric's last logged value (what the search
 optimizes too). The report, printed and saved to <output_dir>/<name>/seeds.json, lists every seed's
@@ -95,6 +97,7 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
     if cfg.results:
         results, record = read_results(cfg.results, cfg.trial)
         params = dict(record.get("args") or {})
+        extra = [*record.get("extra_args", []), *extra]  # as the trial ran, then ours
         source = f"trial {record['number']} of {cfg.results}"
     sweep_path = cfg.sweep or (results or {}).get("sweep")
     sweep = load_sweep(sweep_path)

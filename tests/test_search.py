@@ -334,16 +334,18 @@ def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search,
     assert done.returncode == 0
     seeds_out = tmp_path / "seeds"
     ran = cli("common.seeds", "--results", str(out / "tiny" / "results.json"), "--seeds", "0,1", "--output_dir",
-              str(seeds_out), "--", *TINY_IMAGE, timeout=400)
+              str(seeds_out), timeout=400)  # the trial's own options after -- (TINY_IMAGE) come with it
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-4000:]
     report = json.loads((seeds_out / "tiny" / "seeds.json").read_text())
     best = load_results(out, "tiny")["best"]
-    assert report["params"] == best["params"]
+    assert report["params"] == best["params"] and report["extra_args"] == TINY_IMAGE == best["extra_args"]
     values = []
     for run in report["seeds"]:
         logged = [json.loads(line) for line in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
         assert run["value"] == [r["val/accuracy"] for r in logged if "val/accuracy" in r][-1]
-        assert json.loads((Path(run["output_dir"]) / "run.json").read_text())["config"]["seed"] == run["seed"]
+        config = json.loads((Path(run["output_dir"]) / "run.json").read_text())["config"]
+        assert config["seed"] == run["seed"] and (config["epochs"], config["width"]) == (3, 8)
+        assert config["learning_rate"] == best["params"]["learning_rate"]
         values.append(run["value"])
     assert [run["seed"] for run in report["seeds"]] == [0, 1]
     assert report["mean"] == pytest.approx(statistics.fmean(values))
