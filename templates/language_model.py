@@ -1,0 +1,550 @@
+"""A GPT-style causal language model, trained the same way on CPU, one GPU, DDP or FSDP2.
+
+    accelerate launch --config_file accelerate_configs/cpu.yaml templates/language_model.py
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 templates/language_model.py \
+        --data_path data/openwebtext --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --max_steps 600000
+
+Byte-level by default (one token per byte, no tokenizer to download). Data: the Python standard
+library's own sources by default; `--data_path` names a text file, a folder of text files, or
+uint16 token files as nanoGPT's `prepare.py` writes them (`file.bin`, or a folder with `train.bin`
+and `val.bin`), which are memory-mapped. Copy this file plus `common/` into your project.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import sys
+import sysconfig
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import Dataset, Subset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside templates/ or beside this file
+
+from accelerate.utils import set_seed  # noqa: E402
+
+from common.accelerator import build_accelerator, describe  # noqa: E402
+from common.checkpoint import CheckpointManager, export_weights, load_exported  # noqa: E402
+from common.config import config_to_dict, parse_config  # noqa: E402
+from common.data import build_loader, default_num_workers, split_by_key  # noqa: E402
+from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
+from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.preemption import PreemptionWatcher  # noqa: E402
+from common.tracking import Tracker, progress_bar  # noqa: E402
+
+# accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
+logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per GPU from the vendors' datasheets; fp16 for
+# GPUs without bf16 (V100, T4), which train in fp16 here. The first name contained in the device name wins,
+# so specific names come first. None: no published figure (A10G), so no MFU unless --peak_tflops is given.
+PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
+    ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0), ("T4", 65.0),
+    ("MI300X", 1307.0),
+)
+
+
+@dataclass
+class Config:
+    data_path: str | None = field(default=None, metadata={"help": "Text file, folder of text files, or uint16 token file(s); default: the Python stdlib."})
+    val_fraction: float = field(default=0.1, metadata={"help": "Held out for validation: whole files of a folder, or a single file's tail."})
+    vocab_size: int = field(default=0, metadata={"help": "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256."})
+    output_dir: str = field(default="runs/language_model", metadata={"help": "Checkpoints, metrics and the export go here."})
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps to train for."})
+    eval_every_steps: int = field(default=200, metadata={"help": "Validate (and checkpoint) every N optimizer steps; 0: only at the end."})
+    eval_batches: int = field(default=8, metadata={"help": "Validation batches (over all processes together), the same each time."})
+    batch_size: int = field(default=32, metadata={"help": "Sequences per process, per micro-batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=5e-3, metadata={"help": "Peak LR for one process (5e-3 suits the small default; ~6e-4 for GPT-2 sizes)."})
+    lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices and embeddings only)."})
+    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
+    grad_clip: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (0: no clipping)."})
+    block_size: int = field(default=64, metadata={"help": "Context length in tokens."})
+    n_layer: int = field(default=3, metadata={"help": "Transformer blocks."})
+    n_head: int = field(default=4, metadata={"help": "Attention heads per block."})
+    n_embd: int = field(default=64, metadata={"help": "Model width (a multiple of n_head)."})
+    dropout: float = field(default=0.0, metadata={"help": "Dropout on embeddings, attention and residual branches."})
+    init_from: str | None = field(default=None, metadata={"help": "A model.safetensors export to fine-tune (same model options)."})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each transformer block."})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block's activations in backward: less memory."})
+    prompt: str = field(default="def ", metadata={"help": "Text the sample at the end continues (byte-level data only)."})
+    sample_tokens: int = field(default=200, metadata={"help": "Tokens to sample at the end (0: no sample)."})
+    temperature: float = field(default=0.8, metadata={"help": "Sampling temperature of that sample."})
+    num_workers: int = field(default=-1, metadata={"help": "Loader workers per process; -1 picks for the data."})
+    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
+    seed: int = field(default=0, metadata={"help": "Seeds init, data order and dropout."})
+    resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
+    checkpoint_every_steps: int = field(default=0, metadata={"help": "Also checkpoint every N optimizer steps (0: at evaluations only)."})
+    keep_last: int = field(default=3, metadata={"help": "Periodic checkpoints to keep (the best is kept apart)."})
+    stop_after_steps: int = field(default=0, metadata={"help": "End this session after N optimizer steps with a checkpoint (0: never)."})
+    log_every_steps: int = field(default=50, metadata={"help": "Log loss, throughput and memory every N optimizer steps."})
+    peak_tflops: float = field(default=0.0, metadata={"help": "Peak TFLOP/s of one device for MFU (0: look the GPU up by name)."})
+    tracker: str = field(default="wandb", metadata={"help": "wandb (offline without credentials) or none."})
+    wandb_project: str = field(default="language-model-template", metadata={"help": "W&B project name."})
+    timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
+
+    def __post_init__(self):
+        for name in ("max_steps", "eval_batches", "batch_size", "gradient_accumulation_steps", "block_size", "n_layer",
+                     "n_head", "n_embd", "keep_last", "log_every_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        for name in ("vocab_size", "eval_every_steps", "weight_decay", "warmup_steps", "grad_clip", "checkpoint_every_steps",
+                     "stop_after_steps", "sample_tokens", "peak_tflops"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+# ----------------------------------------------------------------------------------------- data
+class TokenWindows(Dataset):
+    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T.
+
+    Windows are fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch).
+    An item is a pure function of its index, which is what makes the data position saved in a checkpoint
+    enough for an exact resume; a per-epoch random offset would need the epoch inside the loader
+    workers, and persistent workers never see it. Token files are memory-mapped, once per process.
+    """
+
+    def __init__(self, tokens: np.ndarray | Path, block_size: int, start: int = 0, stop: int | None = None):
+        self.tokens, self.block_size, self.start = tokens, block_size, start
+        self.stop = stop if stop is not None else len(self.array())
+        self._memmap = None
+
+    def array(self) -> np.ndarray:
+        if isinstance(self.tokens, np.ndarray):
+            return self.tokens
+        if getattr(self, "_memmap", None) is None:
+            self._memmap = np.memmap(self.tokens, dtype=np.uint16, mode="r")
+        return self._memmap
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"_memmap": None}  # a pickled memmap would be a full in-memory copy
+
+    def __len__(self) -> int:
+        return max(0, (self.stop - self.start - 1) // self.block_size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        begin = self.start + index * self.block_size
+        chunk = torch.from_numpy(self.array()[begin : begin + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+@dataclass
+class Corpus:
+    train: TokenWindows
+    val: TokenWindows
+    vocab_size: int
+    byte_level: bool  # one token per byte: bits per byte and text samples make sense
+    description: str
+
+
+def stdlib_sources() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "dist-packages", "__pycache__"}
+    return root, sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts[:-1]))
+
+
+def read_text_files(files: list[Path]) -> np.ndarray:
+    return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
+
+
+def token_file(path: Path) -> Path:
+    size = path.stat().st_size
+    if size == 0:
+        raise UsageError(f"token file {path} is empty")
+    if size % 2:
+        raise UsageError(f"token file {path} has {size} bytes, not a multiple of 2: not a file of uint16 tokens")
+    return path
+
+
+def largest_token(path: Path) -> int:
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    chunk = 1 << 24  # a scan in pieces: many-GB files are never read into memory at once
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+
+
+def load_corpus(cfg: Config) -> Corpus:
+    """Train and validation token streams; no file (or byte of a single file) is in both."""
+    if cfg.data_path is None:
+        root, files = stdlib_sources()
+        if not files:
+            raise UsageError(f"no Python sources found under {root}; pass --data_path")
+        return text_corpus(root, files, cfg, f"{len(files)} files of the Python standard library in {root}")
+    path = Path(cfg.data_path)
+    if not path.exists():
+        raise UsageError(f"--data_path {path}: no such file or folder")
+    if path.suffix == ".bin" or (path.is_dir() and (path / "train.bin").exists()):
+        if path.is_dir():  # nanoGPT's layout: prepare.py writes train.bin and val.bin
+            if not (path / "val.bin").is_file():
+                raise UsageError(f"--data_path {path}: has train.bin but no val.bin")
+            train_file, val_file = token_file(path / "train.bin"), token_file(path / "val.bin")
+            train, val = TokenWindows(train_file, cfg.block_size), TokenWindows(val_file, cfg.block_size)
+            largest = max(largest_token(train_file), largest_token(val_file)) if cfg.vocab_size == 0 else 0
+        else:  # one file: hold out its tail, as for a single text file
+            n = token_file(path).stat().st_size // 2
+            cut = n - int(n * cfg.val_fraction)
+            train, val = TokenWindows(path, cfg.block_size, 0, cut), TokenWindows(path, cfg.block_size, cut, n)
+            largest = largest_token(path) if cfg.vocab_size == 0 else 0
+        vocab_size = cfg.vocab_size or 64 * math.ceil((largest + 1) / 64)
+        return check_corpus(Corpus(train, val, vocab_size, False, f"uint16 tokens from {path}"), cfg)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        return text_corpus(path, files, cfg, f"{len(files)} files under {path}")
+    return text_corpus(path.parent, [path], cfg, f"text file {path}")
+
+
+def text_corpus(root: Path, files: list[Path], cfg: Config, description: str) -> Corpus:
+    if cfg.vocab_size not in (0, 256):
+        raise UsageError(f"--vocab_size {cfg.vocab_size}: text is read as bytes, a vocabulary of 256")
+    train_idx, val_idx = split_by_key([str(p.relative_to(root)) for p in files], cfg.val_fraction)
+    if train_idx and val_idx:  # whole files in each split, by a stable hash of their path
+        train = TokenWindows(read_text_files([files[i] for i in train_idx]), cfg.block_size)
+        val = TokenWindows(read_text_files([files[i] for i in val_idx]), cfg.block_size)
+    else:  # one file, or too few for both splits: hold out the tail
+        data = read_text_files(files)
+        if len(data) == 0:
+            raise UsageError(f"{description}: empty corpus, no bytes to train on")
+        cut = len(data) - int(len(data) * cfg.val_fraction)
+        train, val = TokenWindows(data, cfg.block_size, 0, cut), TokenWindows(data, cfg.block_size, cut, len(data))
+    return check_corpus(Corpus(train, val, 256, True, description), cfg)
+
+
+def check_corpus(corpus: Corpus, cfg: Config) -> Corpus:
+    if len(corpus.train) == 0 or len(corpus.val) == 0:
+        sizes = f"{corpus.train.stop - corpus.train.start} training / {corpus.val.stop - corpus.val.start} validation tokens"
+        raise UsageError(f"{corpus.description}: {sizes}, too few for a window of --block_size {cfg.block_size} + 1 in each split")
+    return corpus
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Bits per token of the best model that ignores context: -sum p log2 p over token frequencies."""
+    p = np.bincount(tokens)
+    p = p[p > 0] / len(tokens)
+    return float(-(p * np.log2(p)).sum())
+
+
+# ---------------------------------------------------------------------------------------- model
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.n_head, self.dropout = n_head, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        # Flash or memory-efficient kernels where the device has them; the mask is implicit.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `Block` is also the class accelerate_configs/fsdp.yaml wraps as one FSDP unit."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, activation_checkpointing: bool = False):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd, bias=False)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln2 = nn.LayerNorm(n_embd, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(), nn.Linear(4 * n_embd, n_embd, bias=False))
+        self.drop = nn.Dropout(dropout)
+        self.activation_checkpointing = activation_checkpointing
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            # Inside the block, so FSDP's gather/free hooks stay outside the recomputed region; the
+            # RNG state is replayed, so recomputed dropout masks equal the original ones.
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.0,
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, activation_checkpointing) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=False)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: fewer parameters, and better for small models
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        for block in self.blocks:  # GPT-2: scale the projections into the residual stream by depth
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.block_size:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens; this model takes at most {self.block_size}")
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (PaLM appendix B): 6 per weight use plus the attention scores.
+
+        The position table does no matmul; the token table does (it is also the output layer).
+        Recomputation by activation checkpointing is not counted: this is model FLOPs, for MFU.
+        """
+        n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        n_layer, n_embd = len(self.blocks), self.wte.weight.shape[1]
+        return 6 * n + 12 * n_layer * n_embd * seq_len
+
+
+def build_model(cfg: Config, vocab_size: int) -> GPT:
+    """A new model, or with --init_from one holding an export's weights (its shapes must match the options)."""
+    block_size = cfg.block_size
+    if cfg.init_from is not None:
+        positions = exported_positions(Path(cfg.init_from))
+        if positions is not None and cfg.block_size > positions:
+            raise UsageError(f"--block_size {cfg.block_size} is longer than the {positions} positions the model in {cfg.init_from} allows")
+        block_size = positions or cfg.block_size  # shorter training sequences use the first positions
+    model = GPT(vocab_size, block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.activation_checkpointing)
+    if cfg.init_from is not None:
+        load_exported(model, cfg.init_from)  # refuses any other shape
+    return model
+
+
+def exported_positions(path: Path) -> int | None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_slice("wpe.weight").get_shape()[0] if "wpe.weight" in handle.keys() else None
+    except (OSError, SafetensorError) as error:
+        raise UsageError(f"--init_from {path}: not a readable safetensors export ({error})") from None
+
+
+# ----------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict[str, float]:
+    model.eval()
+    total, windows, block_size = 0.0, 0, 0
+    for inputs, targets in loader:
+        losses = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(), reduction="none")
+        # Per-window sums: gather_for_metrics drops the windows DDP padding repeated, so each counts once.
+        losses = accelerator.gather_for_metrics(losses.view(targets.shape).sum(1))
+        total += losses.double().sum().item()
+        windows += losses.numel()
+        block_size = targets.shape[1]
+    model.train()
+    return {"val/loss": total / (windows * block_size), "val/tokens": windows * block_size}
+
+
+@torch.no_grad()
+def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """Sample continuations; every rank runs it, as FSDP needs all ranks in each forward."""
+    model.eval()
+    idx = prompt
+    for _ in range(new_tokens):
+        logits = model(idx[:, -block_size:])[:, -1, :].float() / temperature
+        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)], dim=1)
+    model.train()
+    return idx[:, prompt.shape[1]:]
+
+
+def device_peak_tflops(device: torch.device, override: float) -> float | None:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name), None)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak RSS: KiB on Linux, bytes on macOS
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
+
+# ----------------------------------------------------------------------------------------- main
+@report_usage_errors
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    cfg = parse_config(Config, argv)
+    accelerator = build_accelerator(
+        seed=cfg.seed,
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        timeout_s=cfg.timeout_s,
+    )
+    accelerator.print(describe(accelerator))
+    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
+    torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left on Ampere and newer GPUs
+    set_seed(cfg.seed)  # the same initial weights on every rank
+
+    corpus = load_corpus(cfg)
+    # Validation: the same evenly spread windows every time and for any number of processes.
+    eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
+    val_set = Subset(corpus.val, np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int)).tolist())
+    in_memory = isinstance(corpus.train.tokens, np.ndarray)  # slicing memory is faster than a worker hop
+    num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if in_memory else default_num_workers())
+    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
+    train_loader = build_loader(corpus.train, batch_size=cfg.batch_size, train=True, **loader_args)
+    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
+    train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
+    micro_batches = len(train_loader)
+    if micro_batches == 0:
+        raise UsageError(f"{len(corpus.train)} training windows make no full batch of {cfg.batch_size} per process")
+
+    model = build_model(cfg, corpus.vocab_size)
+    flops_per_token = model.flops_per_token(cfg.block_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    if cfg.compile:  # each block in place: one small graph reused by every block, state-dict keys unchanged
+        for block in model.blocks:
+            block.compile()
+    learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate, betas=(0.9, 0.95),
+                                  fused=accelerator.device.type == "cuda")
+    scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, cfg.max_steps // 2), cfg.max_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    ckpt = CheckpointManager(
+        accelerator, cfg.output_dir, template="language_model", config=config_to_dict(cfg),
+        metric="val/loss", mode="min", keep_last=cfg.keep_last,
+    )
+    set_seed(cfg.seed, device_specific=True)  # each rank its own dropout stream
+    progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
+    peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
+    tokens_per_micro_batch = cfg.batch_size * cfg.block_size * accelerator.num_processes
+    accelerator.print(
+        f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, {len(val_set) * cfg.block_size:,} validation tokens, "
+        f"vocabulary {corpus.vocab_size}, {n_params:,} parameters, {cfg.max_steps} optimizer steps "
+        f"({micro_batches} micro-batches per epoch), learning rate {learning_rate:g}"
+    )
+
+    def validate() -> dict[str, float]:
+        metrics = evaluate(model, val_loader, accelerator)
+        if corpus.byte_level:  # one token is one byte: nats per token / ln 2 = bits per byte
+            metrics["val/bpb"] = metrics["val/loss"] / math.log(2)
+        tracker.log(metrics, step=progress.step)
+        bpb = f", {metrics['val/bpb']:.3f} bits per byte" if "val/bpb" in metrics else ""
+        accelerator.print(f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
+        ckpt.save_best(progress, metrics["val/loss"])  # before save(): the periodic checkpoint records the new best
+        ckpt.save(progress)
+        return metrics
+
+    bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
+    session_steps, running_loss, running_count, skipped_steps, interval_batches = 0, 0.0, 0, 0, 0
+    metrics: dict[str, float] = {}
+    stopping = preempted = mfu_warned = False
+    model.train()
+    interval_start = time.perf_counter()
+    while progress.step < cfg.max_steps and not stopping:
+        train_loader.set_epoch(progress.epoch)  # a different order every epoch, the same on every rank
+        skip = progress.batches_in_epoch  # non-zero only in the epoch a resume lands in
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for inputs, targets in batches:
+            optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+                    if not torch.isfinite(grad_norm) and accelerator.scaler is None:
+                        raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
+                                             f"the last good checkpoint is kept in {ckpt.dir}")
+                optimizer.step()  # skipped by accelerate until the accumulation window is complete
+                skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+            progress.batches_in_epoch += 1
+            if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
+                progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
+            running_loss += loss.item()
+            running_count += 1
+            interval_batches += 1
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            progress.step += 1
+            session_steps += 1
+            bar.update(1)
+            if progress.step % cfg.log_every_steps == 0:
+                elapsed = time.perf_counter() - interval_start
+                tokens_per_s = interval_batches * tokens_per_micro_batch / elapsed
+                logged = {"train/loss": running_loss / running_count, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": skipped_steps,
+                          "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
+                if peak_tflops:
+                    mfu = flops_per_token * tokens_per_s / (accelerator.num_processes * peak_tflops * 1e12)
+                    if mfu <= 1:
+                        logged["mfu"] = mfu
+                    elif not mfu_warned:  # impossible: the peak is wrong, so report nothing rather than a false number
+                        warnings.warn(f"MFU would be {mfu:.0%}: the peak of {peak_tflops:g} TFLOP/s is too low; pass --peak_tflops")
+                        mfu_warned = True
+                tracker.log(logged, step=progress.step)
+                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                running_loss, running_count, interval_batches, interval_start = 0.0, 0, 0, time.perf_counter()
+            if progress.step == cfg.max_steps or (cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0):
+                metrics = validate()
+                interval_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
+            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
+                ckpt.save(progress)
+            preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
+            if progress.step == cfg.max_steps:
+                break
+            if preempted or session_steps == cfg.stop_after_steps:
+                stopping = True
+                break
+    bar.close()
+
+    if stopping:
+        ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
+        reason = f"a stop signal ({preemption.describe()})" if preempted else "--stop_after_steps"
+        accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
+    if progress.step == cfg.max_steps:
+        if not metrics:  # resumed a finished run: report it again
+            metrics = validate()
+        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+        if corpus.byte_level:  # the context-free baseline: what a model ignoring context would score
+            entropy = unigram_entropy(np.concatenate([targets.numpy() for _, targets in val_set]))
+            metrics["val/unigram_entropy"] = entropy
+            accelerator.print(f"validation: {metrics['val/bpb']:.3f} bits per byte; unigram entropy of the same bytes "
+                              f"{entropy:.3f} bits per byte; ratio {metrics['val/bpb'] / entropy:.3f}")
+        tracker.summary(metrics | {"best/val_loss": progress.best_metric})
+        if corpus.byte_level and cfg.sample_tokens:
+            prompt = torch.tensor([list(cfg.prompt.encode("utf-8")) or [10]], device=accelerator.device)
+            generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
+            sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
+            accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
+    tracker.finish()
+    accelerator.end_training()
+    if preempted:
+        sys.exit(EXIT_PREEMPTED)  # tells a job script to requeue (README: Slurm)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
