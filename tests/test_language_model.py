@@ -30,9 +30,11 @@ TINY = ["--tracker", "none", "--n_layer", "2", "--n_head", "2", "--n_embd", "32"
 HARD = ["--dropout", "0.1", "--num_workers", "1", "--gradient_accumulation_steps", "2"]
 
 # Runs main() with export_weights wrapped: before exporting, the (sharded) model's logits on a fixed
-# probe batch are saved, for comparison with the exported weights in a plain single-process model.
+# probe batch are saved, for comparison with the exported weights in a plain single-process model,
+# and whether each transformer block is its own FSDP unit (fsdp.yaml names the class `Block`).
 PROBE_WRAPPER = """
 import sys, torch
+from torch.distributed.fsdp import FSDPModule
 sys.path.insert(0, {templates!r})
 import language_model as lm
 
@@ -45,7 +47,8 @@ def export_with_probe(accelerator, model, path):
         logits = model(probe)
     model.train()
     if accelerator.is_main_process:
-        torch.save({{"probe": probe.cpu(), "logits": logits.cpu()}}, {out!r})
+        wrapped = [isinstance(block, FSDPModule) for block in model.blocks]
+        torch.save({{"probe": probe.cpu(), "logits": logits.cpu(), "blocks_wrapped": wrapped}}, {out!r})
     return real_export(accelerator, model, path)
 
 lm.export_weights = export_with_probe
@@ -160,10 +163,11 @@ def fsdp_runs(tmp_path_factory, corpus) -> tuple[Path, Path, str, Path]:
     return root / "whole", root / "resumed", whole.stdout, probe
 
 
-def test_fsdp_trains_sharded(fsdp_runs):
-    whole, _, stdout, _ = fsdp_runs
+def test_fsdp_trains_sharded_one_unit_per_block(fsdp_runs):
+    whole, _, stdout, probe_file = fsdp_runs
     assert "FSDP on cpu, 2 process(es)" in stdout
     assert_loss_falls(whole)
+    assert torch.load(probe_file)["blocks_wrapped"] == [True, True]
     # The checkpoint holds sharded model state (one distributed-checkpoint folder), not a full copy.
     assert (whole / "checkpoints" / f"step_{STEPS:08d}" / "pytorch_model_fsdp_0").is_dir()
 
