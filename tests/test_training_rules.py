@@ -20,7 +20,14 @@ TEMPLATES = {
     # template file -> (model class to watch, tiny arguments for a run of a few steps)
     "image_classification": (
         "ResNet",
-        ["--epochs", "2", "--width", "8", "--depth", "1", "--batch_size", "96", "--warmup_steps", "2"]  # 14 batches an epoch,
+        # 14 batches an epoch, so every accumulation window of 2 is full
+        ["--epochs", "2", "--width", "8", "--depth", "1", "--batch_size", "96", "--warmup_steps", "2"],
+    ),
+    "language_model": (
+        "GPT",
+        ["--max_steps", "12", "--eval_every_steps", "6", "--eval_batches", "2", "--n_layer", "1", "--n_head", "2",
+         "--n_embd", "16", "--block_size", "16", "--batch_size", "8", "--warmup_steps", "2", "--dropout", "0.1",
+         "--sample_tokens", "0", "--log_every_steps", "2"],
     ),
 }
 
