@@ -1,0 +1,408 @@
+"""Shared pieces of the benchmarks: load a template, run its real `main()` with timing probes,
+summarise step times, describe the machine, print tables and update bench/RESULTS.md.
+
+The probes only wrap names the template module looks up at run time (`progress_bar`, `evaluate`,
+`CheckpointManager`, `build_accelerator`); the training loop that runs is the template's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+RESULTS = BENCH / "RESULTS.md"
+CONFIGS = REPO / "accelerate_configs"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TEMPLATES = ("image_classification", "language_model")
+
+
+# --------------------------------------------------------------------------------- templates
+def load_template(name: str):
+    """Import templates/<name>.py as a module, as tests/conftest.py does (same module name)."""
+    module_name = f"template_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "templates" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def reset_accelerate() -> None:
+    """accelerate keeps process-wide singletons; every in-process run starts from a clean slate."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def teardown_wandb() -> None:
+    """Stop the wandb service a template run started, so it does not share the CPU with the next run."""
+    if "wandb" in sys.modules:
+        with contextlib.suppress(Exception):
+            sys.modules["wandb"].teardown()
+
+
+def set_threads(threads: int) -> None:
+    """Intra-op threads of this process (and of the processes it launches, through OMP_NUM_THREADS)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+# ------------------------------------------------------------------------------------ probes
+@dataclass
+class Probe:
+    """Timestamps (time.perf_counter) of what a template run does.
+
+    steps:  the end of each optimizer step (the template's `bar.update(1)`, once per step)
+    begins: the start of each step's timing: the end of the previous step (after any lockstep
+            hand-over, see overhead.py); the first step's start is unknown (NaN: start-up)
+    evals:  (start, end) of each `evaluate(...)` call
+    ckpts:  (start, end, what) of each CheckpointManager save / save_best / resume
+    waits:  (start, end) of each `next()` on the training loader, as the training loop sees it
+    """
+
+    steps: list[float] = field(default_factory=list)
+    begins: list[float] = field(default_factory=lambda: [math.nan])
+    evals: list[tuple[float, float]] = field(default_factory=list)
+    ckpts: list[tuple[float, float, str]] = field(default_factory=list)
+    waits: list[tuple[float, float]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # plain loops only: the loss of each step
+    info: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "begins": self.begins, "evals": self.evals, "ckpts": self.ckpts, "waits": self.waits,
+                "losses": self.losses, "info": self.info}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Probe":
+        return cls(steps=data["steps"], begins=[math.nan if b is None else b for b in data["begins"]], evals=[tuple(e) for e in data["evals"]], ckpts=[tuple(c) for c in data["ckpts"]],
+                   waits=[tuple(w) for w in data["waits"]], losses=data.get("losses", []), info=data.get("info", {}))
+
+
+class _TimedLoader:
+    """Stands in for the prepared training loader: times each `next()` the loop makes, delegates the rest."""
+
+    def __init__(self, loader, probe: Probe):
+        self._loader, self._probe = loader, probe
+
+    def __iter__(self):
+        iterator = iter(self._loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._probe.waits.append((start, time.perf_counter()))
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+@contextlib.contextmanager
+def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
+    """Wrap the template module's hooks for the duration of one `main()` call.
+
+    `after_step`, if given, is called at the end of every optimizer step, outside the timed part
+    (overhead.py hands the CPU to the plain loop there).
+    """
+    missing = [name for name in ("progress_bar", "evaluate", "CheckpointManager", "build_accelerator") if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(f"{module.__file__} no longer has {', '.join(missing)}: the benchmark probes need updating")
+    originals = {name: getattr(module, name) for name in ("progress_bar", "evaluate", "CheckpointManager", "build_accelerator")}
+
+    def progress_bar(*args, **kwargs):
+        probe.info["loop_start"] = time.perf_counter()  # the bar is made just before the training loop
+        bar = originals["progress_bar"](*args, **kwargs)
+        update = bar.update
+
+        def timed_update(n=1):
+            probe.steps.append(time.perf_counter())
+            if after_step is not None:
+                after_step()
+            probe.begins.append(time.perf_counter())
+            return update(n)  # the bar's own update is timed, as part of the next step
+
+        bar.update = timed_update
+        return bar
+
+    def evaluate(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return originals["evaluate"](*args, **kwargs)
+        finally:
+            probe.evals.append((start, time.perf_counter()))
+
+    class CheckpointManager(originals["CheckpointManager"]):
+        def _timed(self, what, method, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                probe.ckpts.append((start, time.perf_counter(), what))
+
+        def save(self, *args, **kwargs):
+            return self._timed("save", super().save, *args, **kwargs)
+
+        def save_best(self, *args, **kwargs):
+            return self._timed("save_best", super().save_best, *args, **kwargs)
+
+        def resume(self, *args, **kwargs):
+            return self._timed("resume", super().resume, *args, **kwargs)
+
+    def build_accelerator(*args, **kwargs):
+        accelerator = originals["build_accelerator"](*args, **kwargs)
+        if time_loader:
+            prepare = accelerator.prepare
+            seen = {"train": False}
+
+            def timed_prepare(*objects, **kw):
+                results = prepare(*objects, **kw)
+                single = len(objects) == 1
+                results = [results] if single else list(results)
+                for i, (given, got) in enumerate(zip(objects, results)):
+                    # The templates prepare (train_loader, val_loader) first: the first loader is training.
+                    if not seen["train"] and isinstance(given, __import__("torch").utils.data.DataLoader):
+                        seen["train"] = True
+                        probe.info["num_workers"] = given.num_workers
+                        probe.info["pin_memory"] = given.pin_memory
+                        probe.info["prefetch_factor"] = given.prefetch_factor
+                        probe.info["persistent_workers"] = given.persistent_workers
+                        results[i] = _TimedLoader(got, probe)
+                return results[0] if single else tuple(results)
+
+            accelerator.prepare = timed_prepare
+        probe.info["num_processes"] = accelerator.num_processes
+        return accelerator
+
+    wrappers = {"progress_bar": progress_bar, "evaluate": evaluate, "CheckpointManager": CheckpointManager,
+                "build_accelerator": build_accelerator}
+    for name, wrapper in wrappers.items():
+        setattr(module, name, wrapper)
+    try:
+        yield probe
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def quiet(log_path: Path | None):
+    """Send a run's prints and progress bar to a log file (or nowhere) instead of the terminal."""
+    target = open(log_path, "a") if log_path else open(os.devnull, "w")
+    try:
+        with contextlib.redirect_stdout(target), contextlib.redirect_stderr(target):
+            yield
+    finally:
+        target.close()
+
+
+def run_template(name: str, argv: list[str], *, time_loader: bool = False, log_path: Path | None = None,
+                 after_step=None) -> Probe:
+    """Run templates/<name>.py's own `main(argv)` in this process, probed; return the timings."""
+    module = load_template(name)
+    probe = Probe()
+    reset_accelerate()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        with quiet(log_path), probed(module, probe, time_loader=time_loader, after_step=after_step):
+            probe.info["result"] = module.main(argv)
+    except SystemExit as error:  # report_usage_errors turns bad input into exit code 2
+        raise RuntimeError(f"{name} {' '.join(argv)} exited with {error.code}; see {log_path}") from None
+    finally:
+        teardown_wandb()
+        reset_accelerate()
+    return probe
+
+
+# --------------------------------------------------------------------------------- summaries
+def _overlap(start: float, end: float, intervals) -> float:
+    return sum(max(0.0, min(end, e[1]) - max(start, e[0])) for e in intervals)
+
+
+@dataclass
+class Window:
+    """Steps first+1 .. last (1-based) of a run: their own time, without what happened between them."""
+
+    first: int
+    last: int
+    seconds: float  # the steps' time minus evaluation (which the plain loop does not do)
+    eval_seconds: float
+    ckpt_seconds: float
+    ckpt_count: int
+    durations: list[float]  # per step, evaluation subtracted
+    clean: list[bool]  # per step: no evaluation and no checkpoint in it
+
+    @property
+    def steps(self) -> int:
+        return self.last - self.first
+
+    @property
+    def median_step(self) -> float:
+        clean = [d for d, c in zip(self.durations, self.clean) if c]
+        return statistics.median(clean) if clean else math.nan
+
+
+def window(probe: Probe, first: int, last: int) -> Window:
+    """Steps first+1 .. last; `first` >= 1 leaves start-up (everything up to the first step's end) out."""
+    if last > len(probe.steps) or first < 1 or last <= first:
+        raise ValueError(f"window {first}..{last} outside the {len(probe.steps)} steps recorded")
+    durations, clean, evals, ckpts, count = [], [], 0.0, 0.0, 0
+    for i in range(first, last):  # 0-based index of step i+1
+        begin, end = probe.begins[i], probe.steps[i]
+        in_eval = _overlap(begin, end, probe.evals)
+        in_ckpt = [c for c in probe.ckpts if c[0] >= begin and c[1] <= end]
+        durations.append(end - begin - in_eval)
+        clean.append(in_eval == 0 and not in_ckpt)
+        evals += in_eval
+        ckpts += sum(c[1] - c[0] for c in in_ckpt)
+        count += len(in_ckpt)
+    return Window(first, last, sum(durations), evals, ckpts, count, durations, clean)
+
+
+def spread(values: list[float]) -> str:
+    """median [min-max] of a list of ratios/values, for tables."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+# ------------------------------------------------------------------------------------- machine
+def machine() -> dict:
+    import torch
+
+    cpu_model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    import accelerate
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return {"cores": cores, "cpu": cpu_model, "gpu": gpu, "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "python": platform.python_version(), "load": load, "threads": torch.get_num_threads()}
+
+
+def describe_machine(info: dict) -> str:
+    gpu = info["gpu"] or "no GPU"
+    return (f"{info['cores']} cores ({info['cpu']}), {gpu}; torch {info['torch']}, accelerate {info['accelerate']}, "
+            f"Python {info['python']}; {info['threads']} intra-op thread(s); load average {info['load']:.1f} at start "
+            f"(shared machine)")
+
+
+def command_line() -> str:
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(REPO)
+    return "python " + " ".join(shlex.quote(a) for a in [str(script), *sys.argv[1:]])
+
+
+# --------------------------------------------------------------------------------------- output
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table (readable as plain text too)."""
+    cells = [[str(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def write_results(section: str, title: str, body: str, info: dict) -> None:
+    """Replace (or append) the section between `<!-- bench:section -->` markers in bench/RESULTS.md."""
+    begin, end = f"<!-- bench:{section} begin -->", f"<!-- bench:{section} end -->"
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    block = (f"{begin}\n## {title}\n\n"
+             f"Measured {stamp} on {describe_machine(info)}.\n\n"
+             f"```bash\n{command_line()}\n```\n\n{body.strip()}\n{end}")
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    RESULTS.write_text(text)
+    print(f"wrote the {section} section of {RESULTS}")
+
+
+def dump(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=1))
+
+
+# --------------------------------------------------------------------------- launched runs
+ENTRY = BENCH / "launch_entry.py"
+
+
+def clean_env(threads: int, **extra: str) -> dict[str, str]:
+    """The environment of a launched run: offline W&B, no rank or accelerate variables leaking in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_", "FSDP_"))}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(config: str, template: str, args: list[str], *, probe_prefix: Path, num_processes: int | None = None,
+           threads: int = 1, timeout: float = 600, time_loader: bool = False, env: dict | None = None):
+    """`accelerate launch --config_file accelerate_configs/<config> bench/launch_entry.py <template> ...`:
+    the template's own main() in real launched processes, each rank writing its probe to
+    <probe_prefix>.rank<N>.json. Returns (completed process, probes by rank)."""
+    import subprocess
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+               "--main_process_port", str(free_port())]
+    if num_processes is not None:
+        command += ["--num_processes", str(num_processes)]
+    if threads > 0:
+        command += ["--num_cpu_threads_per_process", str(threads)]
+    command += [str(ENTRY), template, str(probe_prefix), *(["--time-loader"] if time_loader else []), "--", *args]
+    done = subprocess.run(command, cwd=REPO, env=env or clean_env(threads), capture_output=True, text=True, timeout=timeout)
+    probes = {}
+    for path in sorted(probe_prefix.parent.glob(f"{probe_prefix.name}.rank*.json")):
+        probes[int(path.name.rsplit(".rank", 1)[1].split(".")[0])] = Probe.from_json(json.loads(path.read_text()))
+    return done, probes
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """The language template's own FLOPs count (its signature has changed once: with or without seq_len)."""
+    import inspect
+
+    method = model.flops_per_token
+    return method(seq_len) if inspect.signature(method).parameters else method()
