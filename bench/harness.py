@@ -88,6 +88,19 @@ class Probe:
     waits: list[tuple[float, float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # plain loops only: the loss of each step
     info: dict = field(default_factory=dict)
+    loaders: list = field(default_factory=list, repr=False)  # prepared loaders, to stop their workers after a run
+
+    def stop_loader_workers(self) -> None:
+        """Shut down persistent loader workers now, rather than whenever their loader is collected
+        (in-process runs keep going; left to interpreter exit they could block it)."""
+        for loader in self.loaders:
+            base = getattr(loader, "base_dataloader", loader)
+            iterator = getattr(base, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+            if iterator is not None:
+                base._iterator = None
+        self.loaders.clear()
 
     def to_json(self) -> dict:
         return {"steps": self.steps, "begins": self.begins, "evals": self.evals, "ckpts": self.ckpts, "waits": self.waits,
@@ -175,27 +188,30 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
             return self._timed("resume", super().resume, *args, **kwargs)
 
     def build_accelerator(*args, **kwargs):
+        import torch
+
         accelerator = originals["build_accelerator"](*args, **kwargs)
-        if time_loader:
-            prepare = accelerator.prepare
-            seen = {"train": False}
+        prepare = accelerator.prepare
+        seen = {"train": False}
 
-            def timed_prepare(*objects, **kw):
-                results = prepare(*objects, **kw)
-                single = len(objects) == 1
-                results = [results] if single else list(results)
-                for i, (given, got) in enumerate(zip(objects, results)):
-                    # The templates prepare (train_loader, val_loader) first: the first loader is training.
-                    if not seen["train"] and isinstance(given, __import__("torch").utils.data.DataLoader):
-                        seen["train"] = True
-                        probe.info["num_workers"] = given.num_workers
-                        probe.info["pin_memory"] = given.pin_memory
-                        probe.info["prefetch_factor"] = given.prefetch_factor
-                        probe.info["persistent_workers"] = given.persistent_workers
+        def recording_prepare(*objects, **kw):
+            results = prepare(*objects, **kw)
+            single = len(objects) == 1
+            results = [results] if single else list(results)
+            for i, (given, got) in enumerate(zip(objects, results)):
+                if not isinstance(given, torch.utils.data.DataLoader):
+                    continue
+                probe.loaders.append(got)
+                # The templates prepare (train_loader, val_loader) first: the first loader is training.
+                if not seen["train"]:
+                    seen["train"] = True
+                    probe.info.update(num_workers=given.num_workers, pin_memory=given.pin_memory,
+                                      prefetch_factor=given.prefetch_factor, persistent_workers=given.persistent_workers)
+                    if time_loader:
                         results[i] = _TimedLoader(got, probe)
-                return results[0] if single else tuple(results)
+            return results[0] if single else tuple(results)
 
-            accelerator.prepare = timed_prepare
+        accelerator.prepare = recording_prepare
         probe.info["num_processes"] = accelerator.num_processes
         return accelerator
 
@@ -235,6 +251,7 @@ def run_template(name: str, argv: list[str], *, time_loader: bool = False, log_p
     except SystemExit as error:  # report_usage_errors turns bad input into exit code 2
         raise RuntimeError(f"{name} {' '.join(argv)} exited with {error.code}; see {log_path}") from None
     finally:
+        probe.stop_loader_workers()
         teardown_wandb()
         reset_accelerate()
     return probe

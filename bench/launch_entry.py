@@ -29,6 +29,7 @@ def main() -> None:
         with harness.probed(module, probe, time_loader="--time-loader" in own):
             probe.info["result"] = module.main(template_args)
     finally:
+        probe.stop_loader_workers()
         rank = int(os.environ.get("RANK", "0"))
         probe.info["rank"] = rank
         prefix.parent.mkdir(parents=True, exist_ok=True)
