@@ -13,8 +13,9 @@ load from other users of a shared machine hits both alike. Per run, two ratios t
             subtracted (the plain loop does not evaluate), checkpoints, logging, progress bar in;
   per step: the median of per-step time ratios over steps with no evaluation or checkpoint.
 A third arm runs the plain loop against itself (A/A): the method's own noise floor. Both loops must
-reach the same training loss, compared at every step the template logs. Last, a breakdown times
-each accelerate wrapper the template's step goes through against the plain call it replaces.
+reach the same training loss, compared at every step the template logs. Last, extra lockstep runs
+time each call of the template's step that differs from the plain loop's (accelerate's wrappers,
+the progress bar, the metrics log) to show where the extra time per step goes.
 
     python bench/overhead.py                 # both templates, ~3 minutes on 2 busy cores
     python bench/overhead.py --quick         # seconds: checks that the script works, measures nothing
@@ -27,6 +28,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -50,9 +52,11 @@ TARGET = 0.97
 # What each template runs here, on top of its defaults (model, batch size, tracking, checkpoints).
 # Image: digits, 4 epochs; the window is epochs 2-4 (3 epoch ends, each with the default
 # evaluation, best and periodic checkpoint).
-# Language model: max_steps is set to log_every_steps + eval_every_steps, so that the window (from
-# the first log to the end) holds one whole default checkpoint period: one periodic evaluation with
-# its best and periodic checkpoint. No text sample at the end (it comes after the window anyway).
+# Language model: evaluation (with its best and periodic checkpoint) every eval_every_steps / 2
+# steps, twice as often as the default, so that a whole checkpoint period fits the time budget
+# (conservative: twice the default checkpoint cost per step), and max_steps = log_every_steps +
+# that period: the window, from the first log to the end, holds exactly one period. No text
+# sample at the end (it would come after the window anyway).
 SETUPS = {
     "image_classification": {
         "argv": ["--epochs", "4"],
@@ -74,7 +78,8 @@ def full_argv(name: str, module, argv: list[str]) -> list[str]:
     if name != "language_model" or "--max_steps" in argv:
         return argv
     cfg = module.parse_config(module.Config, argv)
-    return [*argv, "--max_steps", str(cfg.log_every_steps + (cfg.eval_every_steps or cfg.log_every_steps))]
+    period = max(1, (cfg.eval_every_steps or 2 * cfg.log_every_steps) // 2)
+    return [*argv, "--eval_every_steps", str(period), "--max_steps", str(cfg.log_every_steps + period)]
 
 
 # ------------------------------------------------------------------------------------ lockstep
@@ -89,8 +94,9 @@ class Lockstep:
     restores the other's: dropout and augmentation draw exactly what they would draw alone.
     """
 
-    def __init__(self, probe: "harness.Probe"):
-        self.probe = probe
+    def __init__(self, probe: "harness.Probe", core: int | None = None):
+        self.probe, self.core = probe, core
+        self.pinned: set[int] = set()
         self.template_go, self.plain_go = threading.Semaphore(0), threading.Semaphore(0)
         self.ready_event = threading.Event()
         self.plain_state = None
@@ -103,10 +109,24 @@ class Lockstep:
         self.plain_state = torch.get_rng_state()
         self.ready_event.set()
 
+    def pin(self) -> None:
+        """Both loops on the same core from their first hand-over on (each thread pins itself once).
+
+        Left to the scheduler, each thread tends to stay on the core it last ran on; when another
+        user's job shares one of the two cores, a whole run of one loop is slowed and not the
+        other's. Pinning comes after start-up, so processes the template starts before its first
+        step (the wandb service) keep every core.
+        """
+        ident = threading.get_ident()
+        if self.core is not None and ident not in self.pinned and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {self.core})  # 0: the calling thread
+            self.pinned.add(ident)
+
     def begin(self) -> None:
         self.plain_go.acquire()
         if self.aborted:
             raise SystemExit("aborted: the template run failed")
+        self.pin()
         torch.set_rng_state(self.plain_state)
         self.probe.begins.append(time.perf_counter())
 
@@ -140,6 +160,7 @@ class Lockstep:
         state = torch.get_rng_state()
         self.plain_go.release()
         self.template_go.acquire()
+        self.pin()
         torch.set_rng_state(state)
         if self.error is not None:
             raise RuntimeError(f"the plain loop failed: {self.error!r}")
@@ -288,6 +309,30 @@ def signal_handlers_skipped():
         signal.signal = real
 
 
+@contextlib.contextmanager
+def proposed_fix(what_if: str):
+    """'cached-lomo-check': accelerate's is_lomo_available() answered once per process, not twice a step."""
+    if not what_if:
+        yield
+        return
+    if what_if != "cached-lomo-check":
+        raise SystemExit(f"unknown what-if {what_if!r}")
+    import functools
+
+    import accelerate.accelerator
+    import accelerate.optimizer
+
+    modules = (accelerate.optimizer, accelerate.accelerator)
+    originals = [module.is_lomo_available for module in modules]
+    for module, original in zip(modules, originals):
+        module.is_lomo_available = functools.cache(original)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.is_lomo_available = original
+
+
 class MainTurn:
     """The A/A arm: a second plain loop in the template's place, taking turns with the first."""
 
@@ -314,7 +359,7 @@ def measure(name: str, argv: list[str], arms: list[str], repeats: int, workdir: 
         for arm in arms[repeat % len(arms):] + arms[: repeat % len(arms)]:
             out = workdir / f"{(label or name).replace('@', '-')}-{arm}-{repeat}"
             plain = harness.Probe(begins=[])
-            lockstep = Lockstep(plain)
+            lockstep = Lockstep(plain, core=args.core)
             thread = lockstep.run_plain(PLAIN[name], module, argv, plain)
             outcome: dict = {}
 
@@ -324,8 +369,9 @@ def measure(name: str, argv: list[str], arms: list[str], repeats: int, workdir: 
                         probe = harness.Probe(begins=[])
                         PLAIN[name](module, argv, probe, turn=MainTurn(probe, lockstep))
                     else:
-                        extra = [] if arm == "wandb" else ["--tracker", arm]  # wandb (offline here) is the default
-                        with signal_handlers_skipped():
+                        tracker, _, what_if = arm.partition("+")
+                        extra = [] if tracker == "wandb" else ["--tracker", tracker]  # wandb (offline here) is the default
+                        with signal_handlers_skipped(), proposed_fix(what_if):
                             probe = harness.run_template(name, [*argv, *extra, "--output_dir", str(out)], after_step=lockstep.template_step_done,
                                                          log_path=out.with_suffix(".log"))
                     outcome["probe"] = probe
@@ -380,7 +426,7 @@ def summarise(name: str, result: dict) -> list[list]:
             final = (logged[max(logged)], mine[max(logged)], max(logged))
         verdict = "" if arm == "plain" else "met" if statistics.median(window_ratio) >= TARGET else "MISSED"
         rows.append([
-            name, "plain loop (A/A)" if arm == "plain" else f"template, tracker {arm}", f"{steps} ({result['first'] + 1}-{result['last']})", f"{template_tp:,.0f} / {plain_tp:,.0f} {unit}",
+            name, "plain loop (A/A)" if arm == "plain" else f"template, tracker {arm.replace('+', ', with ')}", f"{steps} ({result['first'] + 1}-{result['last']})", f"{template_tp:,.0f} / {plain_tp:,.0f} {unit}",
             f"{harness.spread(window_ratio)} {verdict}".strip(), harness.spread(step_ratio),
             f"{ckpt:.2f}s, {share:.1%} ({runs[0]['template'].ckpt_count} saves)",
             f"{final[0]:.4f} / {final[1]:.4f} (step {final[2]}); max diff {max(diffs):.0e}",
@@ -388,100 +434,90 @@ def summarise(name: str, result: dict) -> list[list]:
     return rows
 
 
-# ------------------------------------------------------------------------------------ breakdown
-def _median_us(fn, calls: int, setup=None) -> float:
-    times = []
-    for _ in range(calls):
-        if setup is not None:
-            setup()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+# ---------------------------------------------------------------------------------- attribution
+# (label, template-side call, plain-side call): where the template's extra time per step goes.
+CALLS = [
+    ("optimizer.step", "accelerate.optimizer:AcceleratedOptimizer.step", "torch.optim:AdamW.step"),
+    ("  of which is_lomo_available()", "accelerate.optimizer:is_lomo_available", None),
+    ("optimizer.zero_grad", "accelerate.optimizer:AcceleratedOptimizer.zero_grad", "torch.optim:AdamW.zero_grad"),
+    ("backward", "accelerate:Accelerator.backward", "torch:Tensor.backward"),
+    ("clip_grad_norm_", "accelerate:Accelerator.clip_grad_norm_", "torch.nn.utils:clip_grad_norm_"),
+    ("scheduler.step", "accelerate.scheduler:AcceleratedScheduler.step", "torch.optim.lr_scheduler:LambdaLR.step"),
+    ("progress bar update", "tqdm.std:tqdm.update", None),
+    ("metrics log (metrics.jsonl, wandb)", "common.tracking:Tracker.log", None),
+]
 
 
-def endless(loader):
-    while True:
-        yield from loader
+@contextlib.contextmanager
+def timed_calls(totals: dict):
+    """Wrap the CALLS (module attribute or class method) to add each call's time to totals[(thread, target)].
 
-
-def breakdown(name: str, argv: list[str], calls: int) -> list[list]:
-    """Each accelerate call in the template's step against the plain call it replaces, in microseconds.
-
-    Measured on the template's model and optimizer (the same sizes as in the lockstep runs), each
-    pair alternated `calls` times; medians. Differences of a few microseconds are below resolution.
+    Calls made inside another timed call of the same thread (AdamW.step inside the accelerate
+    wrapper, Tensor.backward inside accelerator.backward) are not counted again.
     """
-    from accelerate.utils import is_lomo_available
+    import functools
+    import importlib
 
-    from common.accelerator import build_accelerator
-    from common.data import build_loader
+    active = threading.local()
+    restore = []
+    for _, *targets in CALLS:
+        for target in filter(None, targets):
+            module_name, attr_path = target.split(":")
+            owner = importlib.import_module(module_name)
+            *parents, attr = attr_path.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            own = attr in vars(owner)  # else inherited (AdamW.step is Adam's): restored by deleting ours
+            original = getattr(owner, attr)
 
-    module = harness.load_template(name)
-    cfg = module.parse_config(module.Config, argv)
-    harness.reset_accelerate()
-    accelerator = build_accelerator(seed=0)
-    if name == "image_classification":
-        dataset, _, in_channels, num_classes = module.load_datasets(cfg)
-        make = lambda: module.build_model(cfg, in_channels, num_classes)  # noqa: E731
-    else:
-        corpus = module.load_corpus(cfg)
-        dataset = corpus.train
-        make = lambda: module.GPT(corpus.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)  # noqa: E731
-    plain_model, model = make(), make()
-    plain_opt, opt = adamw(plain_model, 0.1, 1e-3), adamw(model, 0.1, 1e-3)
-    plain_sched = torch.optim.lr_scheduler.LambdaLR(plain_opt, lr_lambda(10, 1000))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 1000))
-    plain_loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=RandomSampler(dataset, generator=torch.Generator()),
-                              drop_last=True, generator=torch.Generator())
-    loader = build_loader(dataset, batch_size=cfg.batch_size, train=True, seed=0, device=accelerator.device)
-    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
-    plain_batches, batches = endless(plain_loader), endless(loader)
+            def make(original=original, target=target):
+                @functools.wraps(original)
+                def wrapper(*args, **kwargs):
+                    nested = getattr(active, "depth", 0) > 0 and target not in ("accelerate.optimizer:is_lomo_available",)
+                    active.depth = getattr(active, "depth", 0) + 1
+                    start = time.perf_counter()
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        active.depth -= 1
+                        if not nested:
+                            key = (threading.current_thread().name, target)
+                            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+                return wrapper
 
-    def fill(m):
-        def setup():
-            for p in m.parameters():
-                p.grad = torch.ones_like(p)
-        return setup
+            setattr(owner, attr, make())
+            restore.append((owner, attr, original, own))
+    try:
+        yield
+    finally:
+        for owner, attr, original, own in reversed(restore):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
 
-    def no_grads(m):
-        def setup():
-            for p in m.parameters():
-                p.grad = None
-        return setup
 
-    def accumulate():
-        with accelerator.accumulate(model):
-            pass
-
-    leaf = torch.ones((), requires_grad=True)
-    rows = [
-        ("next batch", "DataLoaderShard", lambda: next(batches), None,
-         "DataLoader", lambda: next(plain_batches), None),
-        ("zero_grad", "AcceleratedOptimizer", lambda: opt.zero_grad(set_to_none=True), fill(model),
-         "AdamW", lambda: plain_opt.zero_grad(set_to_none=True), fill(plain_model)),
-        ("accumulate()", "context manager", accumulate, None, "-", lambda: None, None),
-        ("backward (tiny graph)", "accelerator.backward", lambda: accelerator.backward(leaf * 2), None,
-         "loss.backward", lambda: (leaf * 2).backward(), None),
-        ("clip_grad_norm_", "accelerator", lambda: accelerator.clip_grad_norm_(model.parameters(), 1.0), fill(model),
-         "torch.nn.utils", lambda: torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0), fill(plain_model)),
-        ("isfinite(grad norm) check", "template", lambda: bool(torch.isfinite(torch.ones(()))), None, "-", lambda: None, None),
-        ("optimizer.step (no grads: wrapper only)", "AcceleratedOptimizer", lambda: opt.step(), no_grads(model),
-         "AdamW", lambda: plain_opt.step(), no_grads(plain_model)),
-        ("  of which is_lomo_available() x2", "accelerate", lambda: (is_lomo_available(), is_lomo_available()), None, "-", lambda: None, None),
-        ("scheduler.step", "AcceleratedScheduler", lambda: sched.step(), None, "LambdaLR", lambda: plain_sched.step(), None),
-    ]
-    out, total = [], 0.0
-    for what, ours, fn, setup, theirs, plain_fn, plain_setup in rows:
-        a = b = 0.0
-        for _ in range(3):  # alternate the two, three rounds, keep the medians of each
-            a += _median_us(fn, calls, setup) / 3
-            b += _median_us(plain_fn, calls, plain_setup) / 3
-        if not what.startswith("  "):
-            total += a - b
-        out.append([name, what, f"{ours}: {a:.1f}", f"{theirs}: {b:.1f}", f"{a - b:+.1f}"])
-    out.append([name, "total per optimizer step", "", "", f"{total:+.0f}"])
-    harness.reset_accelerate()
-    return out
+def attribution(setup: str, argv: list[str], repeats: int, workdir: Path, args) -> list[list]:
+    """Lockstep runs (tracker none) with the template's per-step calls timed on both sides, in ms per step."""
+    name = template_of(setup)
+    totals: dict = {}
+    with timed_calls(totals):
+        result = measure(name, argv, ["none"], repeats, workdir, args, label=f"{setup}-attribution")
+    runs = result["runs"]["none"]
+    steps = repeats * result["last"]  # every step of every run: the timed calls happen in all of them
+    per_step = {key: 1000 * value / steps for key, value in totals.items()}
+    rows, extra = [], 0.0
+    for label, ours, theirs in CALLS:
+        a = per_step.get(("template-loop", ours), 0.0)
+        b = per_step.get(("plain-loop", theirs), 0.0) if theirs else 0.0
+        if not label.startswith("  "):
+            extra += a - b
+        rows.append([setup, label, f"{a:.3f}", f"{b:.3f}" if theirs else "-", f"{a - b:+.3f}"])
+    gap = statistics.median(1000 * (r["template"].median_step - r["plain"].median_step) for r in runs)
+    median_plain = statistics.median(1000 * r["plain"].median_step for r in runs)
+    rows.append([setup, "sum of the above", "", "", f"{extra:+.3f} ({extra / median_plain:.1%} of the plain step)"])
+    rows.append([setup, "measured: median step, template - plain", "", "", f"{gap:+.3f} ({gap / median_plain:.1%})"])
+    return rows
 
 
 def describe_setup(setup: str, argv: list[str], result: dict) -> str:
@@ -496,8 +532,8 @@ def describe_setup(setup: str, argv: list[str], result: dict) -> str:
     else:
         params = sum(p.numel() for p in module.GPT(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd).parameters())
         work = f"{cfg.batch_size} x {cfg.block_size} tokens a step, {cfg.n_layer} layers, width {cfg.n_embd}"
-    runs = next(iter(result["runs"].values()))
-    ckpts = runs[0]["template"].ckpt_count
+    arms = [arm for arm in result["runs"] if arm != "plain"] or list(result["runs"])
+    ckpts = result["runs"][arms[0]][0]["template"].ckpt_count
     return (f"{setup}: `{' '.join(argv)}`; {params:,} parameters, {work}; window steps {result['first'] + 1}-{result['last']} "
             f"with {ckpts} checkpoint saves (template arm)")
 
@@ -507,14 +543,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of: {', '.join(SETUPS)}")
     parser.add_argument("--arms", default="wandb,none,plain",
                         help="what runs against the plain loop: the template with tracker wandb (its default, offline here) "
-                             "and/or none, and plain (the plain loop itself: the method's noise floor)")
+                             "and/or none, and plain (the plain loop itself: the method's noise floor). A tracker arm with "
+                             "'+cached-lomo-check' (e.g. none+cached-lomo-check) runs the template with a proposed fix: "
+                             "accelerate's is_lomo_available(), which AcceleratedOptimizer.step calls twice a step, cached")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every arm")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both loops (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="tiny runs that only check the script works (no meaningful figures)")
-    parser.add_argument("--breakdown-calls", type=int, default=200, help="calls per item in the per-call breakdown (0: skip it)")
+    parser.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                        help="the CPU core both loops are pinned to after start-up (default: the last one; -1: no pinning)")
+    parser.add_argument("--attribution-repeats", type=int, default=1,
+                        help="extra lockstep runs per template with the template's per-step calls timed (0: skip)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' output folders (printed)")
     parser.add_argument("--write-results", action="store_true", help="update the overhead section of bench/RESULTS.md")
     args = parser.parse_args(argv)
+    if args.core is not None and args.core < 0:
+        args.core = None
     harness.set_threads(args.threads)
     info = harness.machine()
     print(harness.describe_machine(info))
@@ -549,15 +592,25 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.repeats} interleaved repeats; {time.perf_counter() - started:.0f}s")
     extra = "\n\n" + "\n".join(f"- {line}" for line in described)
     print(extra)
-    if args.breakdown_calls:
-        brows = []
-        for setup in [s for s in setups if "@" not in s]:
-            brows += breakdown(setup, SETUPS[setup]["quick" if args.quick else "argv"], 20 if args.quick else args.breakdown_calls)
-        extra = "\n\nPer-call cost of the template's step, microseconds (median):\n\n" + harness.table(
-            ["template", "call", "template", "plain", "difference"], brows)
-        print(extra)
+    if args.attribution_repeats:
+        rows_a = []
+        workdir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+        try:
+            for setup in setups:
+                argv_t = full_argv(template_of(setup), harness.load_template(template_of(setup)), SETUPS[setup]["quick" if args.quick else "argv"])
+                rows_a += attribution(setup, argv_t, 1 if args.quick else args.attribution_repeats, workdir, args)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        table = ("\n\nWhere the template's extra time per step goes: its calls timed inside lockstep runs (tracker none), "
+                 "ms per optimizer step, against the plain call each replaces:\n\n"
+                 + harness.table(["template", "call", "template", "plain", "difference"], rows_a))
+        print(table)
+        extra += table
     if args.write_results and not args.quick:
-        harness.write_results("overhead", "Overhead: template loop vs a plain PyTorch loop (CPU, 1 process)", text + extra + NOTES, info)
+        if any("+" in arm for arm in arms):
+            harness.write_results("overhead-what-if", "What if: a proposed fix, side by side with today's template", text + extra + NOTES, info)
+        else:
+            harness.write_results("overhead", "Overhead: template loop vs a plain PyTorch loop (CPU, 1 process)", text + extra + NOTES, info)
 
 
 NOTES = """
@@ -567,13 +620,20 @@ NOTES = """
   torch's global RNG state is swapped at each hand-over. Both loops are in worker threads (a loop in
   the main thread ran 3-5% slower than the same loop in a worker thread here), so the template's
   SIGTERM/SIGUSR1 handlers are not installed (Python allows that only in the main thread); its
-  per-step preemption check still runs. One intra-op thread per loop.
+  per-step preemption check still runs. One intra-op thread per loop; after start-up both loops are
+  pinned to the same core (a whole run of one loop on a core another job was using made A/A runs
+  differ by up to 15%).
 - Window ratio: plain time / template time over the window; evaluation time is subtracted (the
   plain loop does not evaluate); checkpoint saves, metrics.jsonl writes, wandb logging and the
-  progress bar stay in. Per-step ratio: median over the window's steps (those without evaluation or
+  progress bar stay in. Image: the defaults (a checkpoint at every epoch end). Language model:
+  evaluation and checkpoints every eval_every_steps / 2 steps, twice as often as its default. Per-step ratio: median over the window's steps (those without evaluation or
   checkpoint) of plain step time / template step time. median [min-max] over the repeats.
 - "plain loop (A/A)" puts a second plain loop in the template's place: ratios away from 1.000 there
   are the method's own noise (different tensor placement of two identical models, the machine).
+- Attribution: calls timed with wrappers inside separate lockstep runs (not the runs of the main
+  table); a call nested in another timed call is not counted twice. Timed between real training
+  steps, calls cost ~3x what they cost in a tight loop (cold caches): is_lomo_available(), ~40 us in
+  a loop, took ~140 us a call here.
 - Same computation in both: model class, dataset functions and (image) augmentation from the
   template; AdamW with the template's weight-decay groups, its warmup + cosine schedule, gradient
   clipping at 1.0, the same seeds and data order; losses compared at every logged step.

@@ -25,14 +25,14 @@ def test_help(script):
 
 
 def test_overhead_quick():
-    out = run("bench/overhead.py", "--quick", "--breakdown-calls", "3").stdout
+    out = run("bench/overhead.py", "--quick", "--attribution-repeats", "1").stdout
     assert "against the plain loop" in out and "template, tracker none" in out
     # Template and plain loop compute the same thing: the losses they log agree exactly.
     for line in out.splitlines():
         if line.startswith("| image_classification ") or line.startswith("| language_model "):
             if "max diff" in line:
                 assert "max diff 0e+00" in line, line
-    assert "is_lomo_available" in out  # the per-call breakdown ran
+    assert "is_lomo_available" in out  # the attribution ran
 
 
 def test_data_loading_quick():
