@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 IMAGE_RUN = ["--epochs", "2", "--tracker", "none"]
-LM_RUN = ["--max_steps", "12", "--eval_every_steps", "0", "--sample_tokens", "0", "--tracker", "none"]
+LM_RUN = ["--max_steps", "10", "--eval_every_steps", "0", "--sample_tokens", "0", "--tracker", "none"]
 QUICK_IMAGE = ["--epochs", "2", "--batch_size", "256", "--tracker", "none"]
 QUICK_LM = ["--batch_size", "2", "--block_size", "16", "--max_steps", "4", "--eval_every_steps", "0", "--eval_batches", "1",
             "--sample_tokens", "0", "--tracker", "none"]
@@ -87,22 +87,31 @@ def count_params(name: str, argv: list[str]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sizes(workdir: Path, quick: bool) -> list[list]:
-    rows = []
-    plans = [("image_classification", model_sizes("image_classification"), QUICK_IMAGE if quick else IMAGE_RUN),
-             ("language_model", model_sizes("language_model"), QUICK_LM if quick else LM_RUN)]
-    for name, table_sizes, run in plans:
-        for label, size_args in table_sizes[:1] if quick else table_sizes:
-            argv = [*run, *size_args]
-            out = workdir / f"size-{len(rows)}"
-            probe = harness.run_template(name, [*argv, "--output_dir", str(out)], log_path=workdir / f"size-{len(rows)}.log")
-            step, n = steady(name, argv, probe)
-            items, unit, flops = per_step(name, argv)
-            rate = items / step
-            gflops = f"{flops * rate / 1e9:.1f}" if flops else "-"
-            rows.append([name, label, f"{count_params(name, argv):,}", f"{1000 * step:.1f}", f"{rate:,.0f} {unit}", gflops, n])
-            print(f"  {name}, {label}: median step {1000 * step:.1f} ms over {n} steps, {rate:,.0f} {unit}", flush=True)
+def sizes(workdir: Path, quick: bool, rounds: int) -> list[list]:
+    """Every size of both templates, `rounds` times over in rotation; the median of each size's medians."""
+    plans = []
+    for name, run in (("image_classification", QUICK_IMAGE if quick else IMAGE_RUN), ("language_model", QUICK_LM if quick else LM_RUN)):
+        for label, size_args in model_sizes(name)[:1] if quick else model_sizes(name):
+            plans.append((name, label, [*run, *size_args]))
+    steps: dict[int, list[float]] = {i: [] for i in range(len(plans))}
+    counted: dict[int, int] = {}
+    for round_ in range(rounds):
+        for i, (name, label, argv) in enumerate(plans):
+            out = workdir / f"size-{i}-{round_}"
+            probe = harness.run_template(name, [*argv, "--output_dir", str(out)], log_path=workdir / f"size-{i}.log")
+            step, counted[i] = steady(name, argv, probe)
+            steps[i].append(step)
+            print(f"  round {round_}: {name}, {label}: median step {1000 * step:.1f} ms over {counted[i]} steps", flush=True)
             shutil.rmtree(out, ignore_errors=True)
+    rows = []
+    for i, (name, label, argv) in enumerate(plans):
+        step = statistics.median(steps[i])
+        items, unit, flops = per_step(name, argv)
+        rate = items / step
+        gflops = f"{flops * rate / 1e9:.1f}" if flops else "-"
+        spread = f"{1000 * min(steps[i]):.1f}-{1000 * max(steps[i]):.1f}"
+        rows.append([name, label, f"{count_params(name, argv):,}", f"{1000 * step:.1f} ({spread})", f"{rate:,.0f} {unit}", gflops,
+                     f"{counted[i]} x {len(steps[i])}"])
     return rows
 
 
@@ -134,9 +143,12 @@ def ddp(workdir: Path, quick: bool) -> list[list]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["sizes", "ddp"], help="run one of the two parts")
+    parser.add_argument("--rounds", type=int, default=2, help="model sizes: rounds over all sizes, in rotation")
     parser.add_argument("--quick", action="store_true", help="tiny runs that only check the script works (no meaningful figures)")
     parser.add_argument("--write-results", action="store_true", help="update the scaling section of bench/RESULTS.md")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
     harness.set_threads(1)
     info = harness.machine()
     print(harness.describe_machine(info))
@@ -145,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     texts = []
     try:
         if args.only in (None, "sizes"):
-            rows = sizes(workdir, args.quick)
-            texts.append("Model size (one process, one thread):\n\n" + harness.table(
-                ["template", "model", "parameters", "median step ms", "throughput", "model GFLOP/s", "steps timed"], rows))
+            rows = sizes(workdir, args.quick, args.rounds)
+            texts.append(f"Model size (one process, one thread; {args.rounds} rounds, sizes in rotation):\n\n" + harness.table(
+                ["template", "model", "parameters", "median step ms (per-round range)", "throughput", "model GFLOP/s", "steps x rounds"], rows))
         if args.only in (None, "ddp"):
             rows = ddp(workdir, args.quick)
             texts.append("DDP on the CPU (gloo), same batch per process:\n\n" + harness.table(
@@ -165,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 NOTES = """
 
 - Model sizes: image template on digits (8x8 images), median over epoch 2; language model median
-  over steps 3-12; default batch sizes; `--tracker none`.
+  over steps 3-10; default batch sizes; `--tracker none`.
 - DDP: the default models and per-rank batch sizes; rank 0's median step time; throughput counts
   every rank's samples. On 2 cores shared with other users the
   2-rank figure is bounded by whatever the other users leave free; it is not a scaling claim for
