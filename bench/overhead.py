@@ -435,58 +435,64 @@ def summarise(name: str, result: dict) -> list[list]:
 
 
 # ---------------------------------------------------------------------------------- attribution
-# (label, template-side call, plain-side call): where the template's extra time per step goes.
+# Where the template's extra time per step goes: (label, template-side call, plain-side call, what is
+# compared). "self": the time spent in the accelerate wrapper itself, without the timed calls it
+# makes (AdamW.step inside AcceleratedOptimizer.step, Tensor.backward inside accelerator.backward,
+# the same compute as the plain loop's, whose noise would drown the difference); "total": the whole
+# call on each side.
 CALLS = [
-    ("optimizer.step", "accelerate.optimizer:AcceleratedOptimizer.step", "torch.optim:AdamW.step"),
-    ("  of which is_lomo_available()", "accelerate.optimizer:is_lomo_available", None),
-    ("optimizer.zero_grad", "accelerate.optimizer:AcceleratedOptimizer.zero_grad", "torch.optim:AdamW.zero_grad"),
-    ("backward", "accelerate:Accelerator.backward", "torch:Tensor.backward"),
-    ("clip_grad_norm_", "accelerate:Accelerator.clip_grad_norm_", "torch.nn.utils:clip_grad_norm_"),
-    ("scheduler.step", "accelerate.scheduler:AcceleratedScheduler.step", "torch.optim.lr_scheduler:LambdaLR.step"),
-    ("progress bar update", "tqdm.std:tqdm.update", None),
-    ("metrics log (metrics.jsonl, wandb)", "common.tracking:Tracker.log", None),
+    ("optimizer.step: accelerate's wrapper", "accelerate.optimizer:AcceleratedOptimizer.step", None, "self"),
+    ("  of which is_lomo_available()", "accelerate.optimizer:is_lomo_available", None, "total"),
+    ("optimizer.zero_grad: accelerate's wrapper", "accelerate.optimizer:AcceleratedOptimizer.zero_grad", None, "self"),
+    ("backward: accelerate's wrapper", "accelerate:Accelerator.backward", None, "self"),
+    ("clip_grad_norm_ (accelerate's vs torch's)", "accelerate:Accelerator.clip_grad_norm_", "torch.nn.utils:clip_grad_norm_", "total"),
+    ("scheduler.step: accelerate's wrapper", "accelerate.scheduler:AcceleratedScheduler.step", None, "self"),
+    ("progress bar update", "tqdm.std:tqdm.update", None, "total"),
+    ("metrics log (metrics.jsonl, wandb)", "common.tracking:Tracker.log", None, "total"),
 ]
+NESTED = ["torch.optim:AdamW.step", "torch.optim:AdamW.zero_grad", "torch:Tensor.backward", "torch.optim.lr_scheduler:LambdaLR.step"]
 
 
 @contextlib.contextmanager
 def timed_calls(totals: dict):
-    """Wrap the CALLS (module attribute or class method) to add each call's time to totals[(thread, target)].
-
-    Calls made inside another timed call of the same thread (AdamW.step inside the accelerate
-    wrapper, Tensor.backward inside accelerator.backward) are not counted again.
-    """
+    """Wrap the CALLS and NESTED targets (module attributes or class methods); add each call's time
+    to totals[(thread name, target, "total")] and its own time, without the NESTED calls it makes
+    (the compute the plain loop does too), to totals[(thread name, target, "self")]."""
     import functools
     import importlib
 
-    active = threading.local()
+    local = threading.local()
     restore = []
-    for _, *targets in CALLS:
-        for target in filter(None, targets):
-            module_name, attr_path = target.split(":")
-            owner = importlib.import_module(module_name)
-            *parents, attr = attr_path.split(".")
-            for parent in parents:
-                owner = getattr(owner, parent)
-            own = attr in vars(owner)  # else inherited (AdamW.step is Adam's): restored by deleting ours
-            original = getattr(owner, attr)
+    targets = [t for _, ours, theirs, _ in CALLS for t in (ours, theirs) if t] + NESTED
+    for target in dict.fromkeys(targets):
+        module_name, attr_path = target.split(":")
+        owner = importlib.import_module(module_name)
+        *parents, attr = attr_path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        own = attr in vars(owner)  # else inherited (AdamW.step is Adam's): restored by deleting ours
+        original = getattr(owner, attr)
 
-            def make(original=original, target=target):
-                @functools.wraps(original)
-                def wrapper(*args, **kwargs):
-                    nested = getattr(active, "depth", 0) > 0 and target not in ("accelerate.optimizer:is_lomo_available",)
-                    active.depth = getattr(active, "depth", 0) + 1
-                    start = time.perf_counter()
-                    try:
-                        return original(*args, **kwargs)
-                    finally:
-                        active.depth -= 1
-                        if not nested:
-                            key = (threading.current_thread().name, target)
-                            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
-                return wrapper
+        def make(original=original, target=target):
+            @functools.wraps(original)
+            def wrapper(*args, **kwargs):
+                stack = local.__dict__.setdefault("stack", [])
+                stack.append(0.0)
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    elapsed = time.perf_counter() - start
+                    children = stack.pop()
+                    if stack and target in NESTED:  # only the plain loop's own compute leaves a wrapper's self time
+                        stack[-1] += elapsed
+                    thread = threading.current_thread().name
+                    for kind, value in (("total", elapsed), ("self", elapsed - children)):
+                        totals[(thread, target, kind)] = totals.get((thread, target, kind), 0.0) + value
+            return wrapper
 
-            setattr(owner, attr, make())
-            restore.append((owner, attr, original, own))
+        setattr(owner, attr, make())
+        restore.append((owner, attr, original, own))
     try:
         yield
     finally:
@@ -507,9 +513,9 @@ def attribution(setup: str, argv: list[str], repeats: int, workdir: Path, args) 
     steps = repeats * result["last"]  # every step of every run: the timed calls happen in all of them
     per_step = {key: 1000 * value / steps for key, value in totals.items()}
     rows, extra = [], 0.0
-    for label, ours, theirs in CALLS:
-        a = per_step.get(("template-loop", ours), 0.0)
-        b = per_step.get(("plain-loop", theirs), 0.0) if theirs else 0.0
+    for label, ours, theirs, kind in CALLS:
+        a = per_step.get(("template-loop", ours, kind), 0.0)
+        b = per_step.get(("plain-loop", theirs, kind), 0.0) if theirs else 0.0
         if not label.startswith("  "):
             extra += a - b
         rows.append([setup, label, f"{a:.3f}", f"{b:.3f}" if theirs else "-", f"{a - b:+.3f}"])
@@ -631,7 +637,9 @@ NOTES = """
 - "plain loop (A/A)" puts a second plain loop in the template's place: ratios away from 1.000 there
   are the method's own noise (different tensor placement of two identical models, the machine).
 - Attribution: calls timed with wrappers inside separate lockstep runs (not the runs of the main
-  table); a call nested in another timed call is not counted twice. Timed between real training
+  table). accelerate's wrappers by their own time (the AdamW step, backward pass and LR update
+  they call are the plain loop's compute, timed apart); clip_grad_norm_, a different
+  implementation in accelerate, by its whole time on each side. Timed between real training
   steps, calls cost ~3x what they cost in a tight loop (cold caches): is_lomo_available(), ~40 us in
   a loop, took ~140 us a call here.
 - Same computation in both: model class, dataset functions and (image) augmentation from the
