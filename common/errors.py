@@ -1,15 +1,19 @@
-"""Bad input is reported as one line and a non-zero exit, never as a traceback wall."""
+"""Errors a user can act on end as one `error:` line and a documented exit code, never as a traceback wall."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import re
 import sys
 from typing import Callable, TypeVar
 
 # Exit codes the templates document (README, "Exit codes").
 EXIT_USAGE = 2  # bad config, CLI value, data path, checkpoint or sweep file
 EXIT_NON_FINITE = 3  # the loss or the gradients became NaN/inf; the last good checkpoint is kept
+EXIT_SAVE_FAILED = 4  # a checkpoint or the export could not be written (e.g. disk full); earlier checkpoints are intact
+EXIT_RANK_LOST = 5  # another rank died or did not answer within --timeout_s; the last complete checkpoint is kept
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue and resume (EX_TEMPFAIL)
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -21,6 +25,26 @@ class UsageError(Exception):
 
 class NonFiniteError(Exception):
     """Training produced NaN or inf; the message names the step."""
+
+
+class SaveError(OSError):
+    """Writing a checkpoint or the export failed (disk full, ...); the message names it and says what is kept."""
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe", "Connection refused")
+
+
+def is_rank_lost(error: BaseException) -> bool:
+    """True when a collective failed because another rank is gone or hung past the process-group timeout.
+
+    torch raises DistError subclasses for NCCL and the rendezvous store; gloo (CPU ranks) raises a
+    plain RuntimeError whose message comes from gloo's transport and says what happened.
+    """
+    dist = sys.modules.get("torch.distributed")  # never imported here: the search runner has no torch
+    if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and "gloo" in text and any(reason in text for reason in _PEER_GONE)
 
 
 def one_line(error: BaseException) -> str:
@@ -43,17 +67,46 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def _peer_reason(error: BaseException) -> str:
+    """gloo's message without its source location and advice: "Timed out waiting 15000ms for recv ..." """
+    text = re.sub(r"^\[[^\]]*\]\s*", "", one_line(error))
+    return text.split(". ")[0].rstrip(".")
+
+
+def _report(message: str, code: int, every_rank: bool = False) -> None:
+    _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
+    if every_rank or is_first_local_process():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 def report_usage_errors(main: F) -> F:
-    """Run `main`; turn a UsageError or NonFiniteError into `error: <message>` on stderr and its exit code."""
+    """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
+
+    UsageError -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine,
+    as every rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number.
+    """
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except (UsageError, NonFiniteError) as error:
-            _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
-            if is_first_local_process():
-                print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USAGE if isinstance(error, UsageError) else EXIT_NON_FINITE)
+        except UsageError as error:
+            _report(one_line(error), EXIT_USAGE)
+        except NonFiniteError as error:
+            _report(one_line(error), EXIT_NON_FINITE)
+        except SaveError as error:
+            _report(one_line(error), EXIT_SAVE_FAILED)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" writing {error.filename}" if error.filename else ""
+            _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
+        except RuntimeError as error:
+            if not is_rank_lost(error):
+                raise
+            rank = os.environ.get("RANK", "0")
+            _report(f"rank {rank}: another rank died or did not answer within --timeout_s ({_peer_reason(error)}); "
+                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST, every_rank=True)
 
     return wrapper  # type: ignore[return-value]
