@@ -9,7 +9,9 @@ Layout of `<output_dir>`:
 
 A checkpoint folder is written under a `.tmp-` name by all ranks and renamed to its final name by
 the main process only after every rank finished and `progress.json` was written and synced, so a
-folder with a final name is always complete.
+folder with a final name is always complete. A save that fails on any rank (a full disk) fails on
+every rank with a SaveError and publishes nothing; old checkpoints lose `progress.json` first when
+they are deleted, so a deletion cut short never leaves a folder that looks complete.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from common.errors import UsageError
+from common.errors import SaveError, UsageError, is_rank_lost, one_line
 
 PROGRESS_FILE = "progress.json"
 RUN_FILE = "run.json"
@@ -46,6 +49,7 @@ class Progress:
     batches_in_epoch: int = 0  # micro-batches of `epoch` already trained on
     best_metric: float | None = None
     best_step: int | None = None
+    skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
 
 
 class CheckpointManager:
@@ -109,10 +113,9 @@ class CheckpointManager:
         # Every rank must load the same checkpoint, whatever its view of the folder.
         chosen = [str(path) if path is not None else None]
         broadcast_object_list(chosen)
-        self._write_run_file()
-        if chosen[0] is None:
-            return Progress()
-        return self.load(Path(chosen[0]))
+        progress = Progress() if chosen[0] is None else self.load(Path(chosen[0]))
+        self._write_run_file()  # only now: a refused checkpoint leaves the folder as it was
+        return progress
 
     def load(self, path: Path) -> Progress:
         meta = read_progress(path)
@@ -145,7 +148,7 @@ class CheckpointManager:
         if self.accelerator.is_main_process:
             periodic = [p for p in self.complete_checkpoints() if p.name.startswith("step_")]
             for old in periodic[: -self.keep_last]:
-                shutil.rmtree(old)
+                _remove_checkpoint(old)
         self.accelerator.wait_for_everyone()
         return path
 
@@ -168,7 +171,7 @@ class CheckpointManager:
         if self.accelerator.is_main_process:
             for old in self.complete_checkpoints():
                 if old.name.startswith("best_step_") and old != path:
-                    shutil.rmtree(old)
+                    _remove_checkpoint(old)
         self.accelerator.wait_for_everyone()
         return True
 
@@ -194,32 +197,63 @@ class CheckpointManager:
         twin_holder = [self._same_step_twin(progress.step, exclude=name) if accelerator.is_main_process else None]
         broadcast_object_list(twin_holder)
         twin = twin_holder[0]
+        # Each phase ends with every rank learning whether any rank failed (a full disk, say), so a
+        # failure on one rank ends the save on all of them at once instead of at --timeout_s.
+        failure = None
         if accelerator.is_main_process:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".tmp-*"):
-                shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
-            if twin is not None:
-                # Same step already saved under the other kind: same bytes, so link instead of rewriting.
-                shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
-        accelerator.wait_for_everyone()
-        if twin is None:
-            accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            meta = dataclasses.asdict(progress) | {
-                "template": self.template,
-                "world_size": accelerator.num_processes,
-                "metric": self.metric,
-                "mode": self.mode,
-            }
-            _write_json(tmp / PROGRESS_FILE, meta)
-            _fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-        accelerator.wait_for_everyone()
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                for stale in self.dir.glob(".tmp-*"):
+                    shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
+                if twin is not None:
+                    # Same step already saved under the other kind: same bytes, so link instead of rewriting.
+                    shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
+            except OSError as error:
+                failure = _reason(error)
+        failure = self._any_failure(failure)  # from here on every rank holds the same `failure`
+        if failure is None:
+            from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
+
+            try:
+                if twin is None:
+                    accelerator.save_state(str(tmp))
+            except (OSError, CheckpointException) as error:
+                if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
+                    raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
+                failure = _reason(error)
+            failure = self._any_failure(failure)
+        if failure is None:
+            if accelerator.is_main_process:
+                try:
+                    meta = dataclasses.asdict(progress) | {
+                        "template": self.template,
+                        "world_size": accelerator.num_processes,
+                        "metric": self.metric,
+                        "mode": self.mode,
+                    }
+                    _write_json(tmp / PROGRESS_FILE, meta)
+                    _fsync_tree(tmp)
+                    if final.exists():
+                        _remove_checkpoint(final)
+                    os.replace(tmp, final)
+                    _fsync_dir(self.dir)
+                except OSError as error:
+                    failure = _reason(error)
+            failure = self._any_failure(failure)
+        if failure is not None:
+            kept = [p.name for p in self.complete_checkpoints()]
+            previous = f"the previous checkpoints are intact (newest: {kept[-1]})" if kept else "no earlier checkpoint exists"
+            raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
+                            f"and the incomplete {tmp.name} is ignored on resume")
         return final
+
+    def _any_failure(self, failure: str | None) -> str | None:
+        """The first failure any rank reports (None if none): one small collective that replaces a barrier."""
+        if self.accelerator.num_processes == 1 or not dist.is_initialized():
+            return failure
+        failures: list[str | None] = [None] * self.accelerator.num_processes
+        dist.all_gather_object(failures, failure)
+        return next((f"{f} (on rank {rank})" for rank, f in enumerate(failures) if f), None)
 
     def _same_step_twin(self, step: int, exclude: str) -> Path | None:
         for path in self.complete_checkpoints():
@@ -271,6 +305,7 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str |
     """
     path = Path(path)
     state_dict = accelerator.get_state_dict(model)
+    failure = None
     if accelerator.is_main_process:
         tensors, tied, seen = {}, {}, {}
         for key, tensor in state_dict.items():
@@ -280,12 +315,22 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str |
                 continue
             seen[ptr] = key
             tensors[key] = tensor.detach().to("cpu").contiguous()
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{path.name}")
-        save_file(tensors, str(tmp), metadata={"format": "pt", "tied": json.dumps(tied)})
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(tmp), metadata={"format": "pt", "tied": json.dumps(tied)})
+            _fsync_file(tmp)
+            os.replace(tmp, path)
+        except OSError as error:
+            failure = _reason(error)
+            tmp.unlink(missing_ok=True)  # the export is one file: free its space, nothing else refers to it
+    if accelerator.num_processes > 1 and dist.is_initialized():  # every rank learns whether it worked
+        holder = [failure]
+        broadcast_object_list(holder)
+        failure = holder[0]
+    if failure is not None:
+        raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
+                        "so --resume auto writes it again")
     return path
 
 
@@ -315,6 +360,26 @@ def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
         )
         raise UsageError(f"{path} does not fit this model: {detail}")
     model.load_state_dict(tensors)
+
+
+# ------------------------------------------------------------------------------------- failures
+def _wrapped(error: BaseException) -> list[BaseException]:
+    """The exceptions inside a torch.distributed.checkpoint CheckpointException (one per failed rank)."""
+    failures = getattr(error, "failures", None) or {}
+    return [getattr(f, "exc", f) for f in failures.values() if isinstance(getattr(f, "exc", f), BaseException)]
+
+
+def _reason(error: BaseException) -> str:
+    """One line saying what went wrong, also for the errors torch.distributed.checkpoint wraps."""
+    inner = _wrapped(error)
+    return one_line(inner[0] if inner else error)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that a kill part-way never leaves a folder that looks complete."""
+    (path / PROGRESS_FILE).unlink(missing_ok=True)
+    _fsync_dir(path)
+    shutil.rmtree(path)
 
 
 # ----------------------------------------------------------------------------------- durability
