@@ -12,16 +12,27 @@ the main process only after every rank finished and `progress.json` was written 
 folder with a final name is always complete. A save that fails on any rank (a full disk) fails on
 every rank with a SaveError and publishes nothing; old checkpoints lose `progress.json` first when
 they are deleted, so a deletion cut short never leaves a folder that looks complete.
+
+Pickles: `optimizer.bin`, `scheduler.bin`, `scaler.pt` and `random_states_<rank>.pkl` (and, under
+FSDP, the `.metadata` of each sharded folder plus the non-tensor entries of its `.distcp` files)
+are pickles, as accelerate and torch.distributed.checkpoint write them. Before anything loads a
+checkpoint, `check_pickles` opens each of them with torch's weights-only unpickler (the `.metadata`
+with an allowlist of torch's checkpoint classes) and refuses the checkpoint if one holds anything
+else, so a downloaded checkpoint cannot run code. The weights themselves are safetensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,11 +139,21 @@ class CheckpointManager:
                 f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), resuming with "
                 f"{self.accelerator.num_processes}: training continues, but not bit-identically"
             )
+        if meta.get("world_size") == self.accelerator.num_processes:
+            missing = [f"{RNG_PREFIX}{rank}.pkl" for rank in range(self.accelerator.num_processes)
+                       if not (path / f"{RNG_PREFIX}{rank}.pkl").is_file()]
+            if missing:  # accelerate would silently go on without them: a resume that is not exact
+                raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it cannot resume exactly")
+        check_pickles(path)  # before accelerate unpickles anything from it
+        from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded loads raise this
+
         try:
             self.accelerator.load_state(str(path))
-        except (RuntimeError, ValueError, KeyError, FileNotFoundError, SafetensorError) as error:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise UsageError(f"checkpoint {path} does not fit this model and optimizer: {first_line}") from None
+        except (RuntimeError, ValueError, KeyError, FileNotFoundError, SafetensorError, pickle.UnpicklingError,
+                EOFError, CheckpointException) as error:
+            if isinstance(error, RuntimeError) and is_rank_lost(error):
+                raise
+            raise UsageError(f"checkpoint {path} does not fit this model and optimizer: {_reason(error)}") from None
         fields = {f.name for f in dataclasses.fields(Progress)}
         progress = Progress(**{k: v for k, v in meta.items() if k in fields})
         self._print(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batches_in_epoch})")
@@ -362,7 +383,82 @@ def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
     model.load_state_dict(tensors)
 
 
-# ------------------------------------------------------------------------------------- failures
+# -------------------------------------------------------------------------------------- pickles
+RNG_PREFIX = "random_states_"
+PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
+# What torch.distributed.checkpoint pickles into a sharded folder's `.metadata`: its own dataclasses,
+# torch.Size, dtypes and layouts, and a path. Anything else in such a file is refused.
+_DCP_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+def check_pickles(path: Path) -> None:
+    """Refuse a checkpoint folder if one of its pickles holds anything but plain data (tensors, numbers, RNG states).
+
+    Every `.bin/.pkl/.pt` file is opened with torch's weights-only unpickler (plus the numpy types
+    accelerate allows for RNG states), memory-mapped so large optimizer states are not read twice;
+    FSDP's sharded folders get their `.metadata` checked against an allowlist and their non-tensor
+    entries weights-only. Nothing here runs code from the files.
+    """
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+    for file in sorted(path.iterdir()):
+        try:
+            with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
+                warnings.simplefilter("ignore")
+                if file.is_file() and file.suffix in PICKLE_SUFFIXES:
+                    with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
+                        torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+                elif file.is_dir() and (file / ".metadata").is_file():
+                    _check_sharded(file)
+        except pickle.UnpicklingError as error:
+            raise UsageError(f"checkpoint {path}: refused {file.relative_to(path)}: it holds more than plain data, "
+                             f"loading it could run code ({_unpickling_reason(error)})") from None
+        except (RuntimeError, ValueError, EOFError, OSError, KeyError, AttributeError) as error:
+            raise UsageError(f"checkpoint {path}: refused {file.relative_to(path)}: unreadable ({_reason(error)})") from None
+
+
+def _check_sharded(folder: Path) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    with (folder / ".metadata").open("rb") as handle:
+        metadata = _MetadataUnpickler(handle).load()
+    kinds = getattr(metadata, "state_dict_metadata", None)
+    entries = getattr(metadata, "storage_data", None)
+    if not isinstance(kinds, dict) or not isinstance(entries, dict):
+        raise ValueError(".metadata is not a torch.distributed.checkpoint index")
+    for index, info in entries.items():
+        if not isinstance(kinds.get(index.fqn), BytesStorageMetadata):
+            continue  # tensors are raw bytes, read without unpickling
+        if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
+            raise ValueError(f"entry {index.fqn} points outside the folder or is transformed")
+        with (folder / info.relative_path).open("rb") as handle:
+            handle.seek(info.offset)
+            data = handle.read(info.length)
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # torch.distributed.checkpoint would not
+
+
+def _unpickling_reason(error: BaseException) -> str:
+    """The line of torch's weights-only refusal that names the culprit, not its advice to load the file unsafely."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation")):
+            return line
+    return lines[-1].split("WeightsUnpickler error:")[-1].strip() if lines else type(error).__name__
+
+
 def _wrapped(error: BaseException) -> list[BaseException]:
     """The exceptions inside a torch.distributed.checkpoint CheckpointException (one per failed rank)."""
     failures = getattr(error, "failures", None) or {}
