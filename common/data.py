@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,7 +17,7 @@ from common.errors import UsageError
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed numpy and `random` in a loader worker from the seed torch gave it.
+    """Seed numpy and `random` in a loader worker from the seed torch gave it; shield it from stop signals.
 
     torch derives each worker's seed from the loader's generator; libraries that keep their own
     RNG (numpy, random) would otherwise start identically in every worker.
@@ -23,6 +25,35 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
+    if torch.utils.data.get_worker_info() is not None:  # only in a real worker, never in the caller's process
+        ignore_stop_signals_from_others()
+
+
+def ignore_stop_signals_from_others() -> None:
+    """In a loader worker: ignore SIGTERM and SIGUSR1 unless the training process itself sends SIGTERM.
+
+    Stop signals reach loader workers too: torchrun's agent signals each rank's whole process group,
+    accelerate's launcher the whole process tree, Slurm every process of the job. A worker killed by
+    one fails the training process ("DataLoader worker is killed by signal") before it can finish the
+    step and checkpoint (common.preemption). The training process still ends its workers with
+    SIGTERM when it exits (multiprocessing does), and SIGKILL ends them anyway, so only signals from
+    elsewhere are ignored: a thread waits for them (the sender's pid is known there) and exits the
+    worker for its parent's SIGTERM, as torch's own worker handler does. Linux only (sigwaitinfo);
+    a signal in the first moments of a worker's start, before this runs, still reaches it.
+    """
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    stops = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # threads started from here on inherit the mask
+    parent = os.getppid()
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo(stops)
+            if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="loader-stop-signals", daemon=True).start()
 
 
 def default_num_workers(local_processes: int | None = None) -> int:
