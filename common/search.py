@@ -42,7 +42,7 @@ from pathlib import Path
 
 from common.config import parse_config
 from common.errors import UsageError, report_usage_errors
-from common.sweep import Sweep, build_command, load_sweep
+from common.sweep import Sweep, build_command, check_command_files, load_sweep
 from common.trial import run_trial, trial_env
 
 SAMPLERS = ("auto", "tpe", "random", "grid")
@@ -343,6 +343,7 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
     optuna = _optuna()
     TrialState = optuna.trial.TrialState
     sweep = load_sweep(cfg.sweep)
+    check_command_files(sweep)  # a missing accelerate config would fail every trial with a traceback
     if any(token.split("=")[0] == "--output_dir" for token in extra):
         raise UsageError("--output_dir after `--`: the runner gives every trial its own; set the runner's --output_dir instead")
     study_name = cfg.study_name or sweep.name

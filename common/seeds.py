@@ -28,7 +28,7 @@ from pathlib import Path
 from common.config import parse_config
 from common.errors import UsageError, report_usage_errors
 from common.search import split_passthrough
-from common.sweep import build_command, load_sweep
+from common.sweep import build_command, check_command_files, load_sweep
 from common.trial import run_trial, trial_env
 
 REPORT_FILE = "seeds.json"
@@ -101,6 +101,7 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
         source = f"trial {record['number']} of {cfg.results}"
     sweep_path = cfg.sweep or (results or {}).get("sweep")
     sweep = load_sweep(sweep_path)
+    check_command_files(sweep)
     if not cfg.results:
         params = sweep.constants()
     params.pop("seed", None)

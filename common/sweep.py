@@ -320,6 +320,27 @@ def build_command(sweep: Sweep, values: dict[str, Any], extra: list[str] = (), o
     return add_launch_port(argv)
 
 
+def check_command_files(sweep: Sweep, cwd: str | os.PathLike | None = None) -> None:
+    """Refuse a sweep whose command names an accelerate config file, or a program, that does not exist.
+
+    `accelerate launch --config_file missing.yaml` fails in every trial with accelerate's own
+    traceback; checked once before the first trial, it is one line naming the file instead.
+    Paths are relative to `cwd` (default: the working directory), as the trials will see them.
+    """
+    base = Path(cwd or os.getcwd())
+    words = list(sweep.command)
+    ends = [i for i, token in enumerate(words) if token in {"${program}", *(f"${{{m}}}" for m in ARG_MACROS)}]
+    launcher = words[: min(ends)] if ends else words  # the launcher's own options, before the program
+    for i, token in enumerate(launcher):
+        value = launcher[i + 1] if token == "--config_file" and i + 1 < len(launcher) else (
+            token.split("=", 1)[1] if token.startswith("--config_file=") else None)
+        if value is not None and not (base / expand_envvars(value)).is_file():
+            raise UsageError(f"sweep file {sweep.path}: the command's --config_file {value} does not exist "
+                             f"(relative to {base})")
+    if "${program}" in words and sweep.program and not (base / str(sweep.program)).is_file():
+        raise UsageError(f"sweep file {sweep.path}: program {sweep.program} does not exist (relative to {base})")
+
+
 def add_launch_port(argv: list[str]) -> list[str]:
     """Give `accelerate launch` its own free rendezvous port unless the command sets one."""
     if any(token.startswith("--main_process_port") for token in argv):
