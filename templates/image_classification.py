@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     bar = progress_bar(accelerator, total_steps, initial=progress.step)
-    session_steps, running_loss, running_count, skipped_steps = 0, 0.0, 0, 0
+    session_steps, running_loss, running_count = 0, 0.0, 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
     for epoch in range(progress.epoch, cfg.epochs):
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"the last good checkpoint is kept in {ckpt.dir}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
-                skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1
             running_loss += loss.item()
             running_count += 1
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bar.update(1)
             if progress.step % cfg.log_every_steps == 0:
                 train_loss = running_loss / running_count
-                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": skipped_steps,
+                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                              "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 running_loss, running_count = 0.0, 0

@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return metrics
 
     bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
-    session_steps, running_loss, running_count, skipped_steps, interval_batches = 0, 0.0, 0, 0, 0
+    session_steps, running_loss, running_count, interval_batches = 0, 0.0, 0, 0
     metrics: dict[str, float] = {}
     stopping = preempted = mfu_warned = False
     model.train()
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"the last good checkpoint is kept in {ckpt.dir}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
-                skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1
             if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
                 progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if progress.step % cfg.log_every_steps == 0:
                 elapsed = time.perf_counter() - interval_start
                 tokens_per_s = interval_batches * tokens_per_micro_batch / elapsed
-                logged = {"train/loss": running_loss / running_count, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": skipped_steps,
+                logged = {"train/loss": running_loss / running_count, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                           "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
                 if peak_tflops:
                     mfu = flops_per_token * tokens_per_s / (accelerator.num_processes * peak_tflops * 1e12)
