@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                              "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 running_loss, running_count = 0.0, 0
-            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
-                ckpt.save(progress)
+            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0 and progress.batches_in_epoch < micro_batches:
+                ckpt.save(progress)  # not at an epoch's last step: that is saved after its evaluation, below
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
