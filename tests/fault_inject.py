@@ -1,0 +1,214 @@
+"""Test helper, launched in place of a template: run the template's own main() with one fault injected.
+
+    FAULT=kill FAULT_STEP=7 [FAULT_RANK=1] [FAULT_RECORD=dir] python tests/fault_inject.py templates/x.py --opt ...
+    (or the same under `accelerate launch`)
+
+The template module is imported from its file and runs unchanged; the wrapper only watches
+`torch.optim.AdamW.step` to count optimizer steps (global: the step the run resumed from plus the
+steps of this session) and, on the chosen rank (default: every rank), at FAULT_STEP:
+
+    kill       SIGKILL this process just before it takes optimizer step FAULT_STEP
+    kill_save  SIGKILL it in the middle of the first checkpoint save at a step >= FAULT_STEP: the
+               real files are written, then the biggest one this rank wrote is cut to half, then SIGKILL
+    signal     send FAULT_SIGNAL (TERM or USR1) to this process just before step FAULT_STEP;
+               the template must finish that step on every rank, checkpoint it and exit 75
+    signal_launcher  send FAULT_SIGNAL to the parent process, the launcher (torchrun's agent or
+               accelerate's single-process launcher), which passes it on to every training process
+               (and their loader workers) in its own way; they stop at a step >= FAULT_STEP
+    stop       SIGSTOP this process just before step FAULT_STEP: a rank that hangs
+    enospc     the first checkpoint save at a step >= FAULT_STEP writes part of a file, then fails
+               with OSError(ENOSPC) on this rank
+    inf_loss   fp16 on the CPU: a torch.amp.GradScaler("cpu") is attached to the accelerator (accelerate
+               makes none on CPU) and the loss of the first micro-batch of step FAULT_STEP is inf
+    nan_loss   the loss of the first micro-batch of step FAULT_STEP is NaN (no scaler)
+
+FAULT_RECORD names a folder where each rank writes rank<R>.json at start (pid, the step it resumed
+from) and again at exit (exit code, the last optimizer step it finished); rank 0 also writes
+saves.json: for every checkpoint this session published, each file's size, mtime and sha256 as
+they were right after the save.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+template_path = Path(sys.argv[1]).resolve()
+argv = sys.argv[2:]
+sys.path.insert(0, str(template_path.parent.parent))  # common/ of the repository under test
+spec = importlib.util.spec_from_file_location(f"faulty_{template_path.stem}", template_path)
+template = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = template  # dataclasses look their module up while the file runs
+spec.loader.exec_module(template)
+
+FAULT = os.environ.get("FAULT", "")
+AT = int(os.environ.get("FAULT_STEP", "0"))
+RANK = int(os.environ.get("RANK", "0"))
+ACTS = os.environ.get("FAULT_RANK", str(RANK)) == str(RANK)
+RECORD = Path(os.environ["FAULT_RECORD"]) if os.environ.get("FAULT_RECORD") else None
+state = {"pid": os.getpid(), "rank": RANK, "resumed_step": None, "steps_done": None, "exit_code": None}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: the test may read it at any moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def record() -> None:
+    if RECORD is not None:
+        write_json(RECORD / f"rank{RANK}.json", state)
+
+
+def global_step() -> int:
+    """The optimizer step about to be taken (1-based), counted over resumes."""
+    return (state["resumed_step"] or 0) + calls["steps"] + 1
+
+
+def die() -> None:
+    record()  # where it stood when it died
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+calls = {"steps": 0, "train_losses": 0, "fired": False}
+
+# --- the resumed step, from the checkpoint manager the template uses
+real_resume = template.CheckpointManager.resume
+
+
+def resume(self, *args, **kwargs):
+    progress = real_resume(self, *args, **kwargs)
+    state["resumed_step"] = state["steps_done"] = progress.step
+    record()
+    return progress
+
+
+template.CheckpointManager.resume = resume
+
+# --- optimizer steps
+real_step = torch.optim.AdamW.step
+
+
+def step(self, *args, **kwargs):
+    if ACTS and not calls["fired"] and global_step() == AT:
+        if FAULT == "kill":
+            die()
+        elif FAULT in ("signal", "signal_launcher"):
+            calls["fired"] = True
+            target = os.getpid() if FAULT == "signal" else os.getppid()
+            os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
+        elif FAULT == "stop":
+            calls["fired"] = True
+            os.kill(os.getpid(), signal.SIGSTOP)
+    result = real_step(self, *args, **kwargs)
+    calls["steps"] += 1
+    state["steps_done"] = (state["resumed_step"] or 0) + calls["steps"]
+    return result
+
+
+torch.optim.AdamW.step = step
+
+# --- checkpoint saves
+real_save_state = Accelerator.save_state
+
+
+def save_step(output_dir: str) -> int:
+    return int(Path(output_dir).name.rsplit("_", 1)[-1])  # .tmp-step_00000012 / .tmp-best_step_00000012
+
+
+def save_state(self, output_dir=None, *args, **kwargs):
+    if ACTS and not calls["fired"] and FAULT in ("kill_save", "enospc") and save_step(output_dir) >= AT:
+        calls["fired"] = True
+        if FAULT == "enospc":
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"\0" * 1024)  # what fit before the disk filled
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(output_dir) / "model.safetensors"))
+        before = set(Path(output_dir).rglob("*")) if Path(output_dir).exists() else set()
+        result = real_save_state(self, output_dir, *args, **kwargs)
+        written = [p for p in Path(output_dir).rglob("*") if p.is_file() and p not in before]
+        if written:
+            victim = max(written, key=lambda p: p.stat().st_size)
+            with victim.open("r+b") as handle:
+                handle.truncate(victim.stat().st_size // 2)
+        die()
+        return result
+    return real_save_state(self, output_dir, *args, **kwargs)
+
+
+Accelerator.save_state = save_state
+
+# --- what each published checkpoint held right after its save
+real_write = template.CheckpointManager._write
+saves: dict[str, dict] = {}
+
+
+def digest(folder: Path) -> dict[str, list]:
+    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()]
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def write(self, name, progress):
+    path = real_write(self, name, progress)
+    if RECORD is not None and RANK == 0:
+        saves[path.name] = digest(path)
+        write_json(RECORD / "saves.json", saves)
+    return path
+
+
+template.CheckpointManager._write = write
+
+# --- non-finite losses; fp16 with a loss scaler on the CPU
+if FAULT in ("inf_loss", "nan_loss"):
+    import torch.nn.functional as F
+
+    real_cross_entropy = F.cross_entropy
+
+    def cross_entropy(*args, **kwargs):
+        loss = real_cross_entropy(*args, **kwargs)
+        if torch.is_grad_enabled() and ACTS and not calls["fired"] and global_step() == AT:
+            calls["fired"] = True
+            return loss * float("inf" if FAULT == "inf_loss" else "nan")
+        return loss
+
+    F.cross_entropy = cross_entropy
+
+if FAULT == "inf_loss":
+    real_build = template.build_accelerator
+
+    def build_fp16_accelerator(**kwargs):
+        accelerator = real_build(**kwargs)
+        # What accelerate sets up for fp16 on a GPU: a scaler that the optimizer wrapper (made in
+        # prepare) steps and updates, and native AMP so clip_grad_norm_ unscales before clipping.
+        # A small scale that never grows: only the injected inf overflows, so the expected count is exact.
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=10**6)
+        accelerator.native_amp = True
+        accelerator.state._mixed_precision = "fp16"
+        return accelerator
+
+    template.build_accelerator = build_fp16_accelerator
+
+record()
+try:
+    template.main(argv)
+    state["exit_code"] = 0
+except SystemExit as stop:
+    state["exit_code"] = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    raise
+except BaseException:
+    state["exit_code"] = 1
+    raise
+finally:
+    record()

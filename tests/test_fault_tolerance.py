@@ -1,0 +1,481 @@
+"""Fault tolerance end to end, through real processes: SIGKILL at drawn steps (also in the middle of a
+checkpoint save, also of one rank of two), preemption signals sent to one rank only, a rank that
+hangs, a full disk, an fp16 overflow and a NaN loss.
+
+Every interrupted run is restarted with `--resume auto` until it finishes and must end with
+parameters bit-identical (torch.equal) to an uninterrupted run, with dropout, shuffling, loader
+workers and gradient accumulation on, and log the same metrics. Faults come from
+tests/fault_inject.py, which runs the template's own main() and acts at an optimizer step.
+
+Kill points are drawn with random.Random(seed) from a range of steps per event; FAULT_SEED_OFFSET=N
+draws others (the README's figures are for offset 0). All runs of this module are started up front
+by one fixture, two at a time, so the waits of one overlap the work of another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, REPO, clean_env, free_port
+
+IMAGE = REPO / "templates" / "image_classification.py"
+LM = REPO / "templates" / "language_model.py"
+INJECT = REPO / "tests" / "fault_inject.py"
+SEED_OFFSET = int(os.environ.get("FAULT_SEED_OFFSET", "0"))
+
+# Dropout, shuffling, 2 loader workers, accumulation 2, a checkpoint every 2 steps, 2 epochs.
+# 1438 digits / 96 = 14 micro-batches: 7 optimizer steps per epoch on one process (the last of a
+# single micro-batch), 7 micro-batches = 4 steps per epoch on each of 2 ranks.
+IMAGE_ARGS = ("--epochs", "2", "--width", "8", "--depth", "1", "--batch_size", "96", "--gradient_accumulation_steps", "2",
+              "--dropout", "0.3", "--num_workers", "2", "--checkpoint_every_steps", "2", "--log_every_steps", "1",
+              "--tracker", "none")
+# 380 lines of text in windows of 32 tokens: 19 micro-batches per epoch (batch 16 on one process, 8 on
+# each of 2 ranks), so 10 optimizer steps per epoch with accumulation 2; 14 steps cross an epoch.
+LM_ARGS = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--learning_rate", "1e-2",
+           "--warmup_steps", "2", "--log_every_steps", "1", "--eval_every_steps", "5", "--eval_batches", "4",
+           "--sample_tokens", "8", "--max_steps", "14", "--dropout", "0.1", "--num_workers", "1",
+           "--gradient_accumulation_steps", "2", "--checkpoint_every_steps", "3", "--tracker", "none")
+DETERMINISTIC = ("train/loss", "lr", "epoch", "train/skipped_steps", "val/loss", "val/accuracy", "val/samples", "val/bpb")
+
+
+@dataclass(frozen=True)
+class Event:
+    fault: str  # what tests/fault_inject.py does: kill, kill_save, signal, signal_launcher, enospc, nan_loss
+    seed: int
+    low: int  # the step is drawn from [low, high]
+    high: int
+    rank: int = 0  # the rank that acts
+    signal: str = "TERM"
+
+    @property
+    def step(self) -> int:
+        return random.Random(self.seed + SEED_OFFSET).randint(self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Cell:
+    template: Path
+    config: str | None  # None: `python template.py`; else `accelerate launch` with this config (2 processes unless cpu.yaml)
+    events: tuple[Event, ...]
+    args: tuple[str, ...] = ()
+
+
+# One chain of faults per cell, one launch each, then a launch to the end. Each event's range lies
+# after the previous one's (a launcher's signal takes a step or two to arrive: a gap of 3), so every
+# restart resumes before the next fault strikes. Checkpoints: image every 2 steps and at each epoch
+# end (7 steps on one process, 4 on two); language model every 3 steps and at the evaluations (5, 10, 14).
+CELLS = {
+    "image-1proc": Cell(IMAGE, None, (Event("kill", 0, 2, 4), Event("nan_loss", 1, 5, 6), Event("enospc", 2, 7, 9),
+                                      Event("kill_save", 3, 10, 12))),
+    "image-ddp": Cell(IMAGE, "cpu_ddp.yaml", (Event("kill", 4, 2, 3, rank=1), Event("enospc", 5, 4, 5, rank=1),
+                                              Event("signal", 6, 6, 7, rank=1, signal="USR1"))),
+    "image-fsdp": Cell(IMAGE, "fsdp.yaml", (Event("kill", 7, 2, 7, rank=0),)),
+    "lm-1proc": Cell(LM, "cpu.yaml", (Event("kill", 8, 2, 3), Event("signal_launcher", 9, 4, 5), Event("enospc", 10, 9, 10),
+                                      Event("nan_loss", 11, 11, 13)), args=("--batch_size", "16")),
+    "lm-ddp": Cell(LM, "cpu_ddp.yaml", (Event("signal_launcher", 12, 2, 4, rank=0), Event("kill_save", 13, 8, 12, rank=0)),
+                   args=("--batch_size", "8")),
+    "lm-fsdp": Cell(LM, "fsdp.yaml", (Event("kill", 14, 2, 6, rank=1), Event("kill_save", 15, 8, 12, rank=1)),
+                    args=("--batch_size", "8")),
+}
+
+
+def cells_with(*faults: str) -> list[str]:
+    return [name for name, cell in CELLS.items() if any(e.fault in faults for e in cell.events)]
+
+
+def tiny_text(lines: int = 380) -> str:
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
+    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "\n" for _ in range(lines))
+
+
+# ------------------------------------------------------------------------------------- running
+@dataclass
+class Launch:
+    result: subprocess.CompletedProcess
+    records: dict[int, dict]  # rank -> what tests/fault_inject.py recorded
+    saves: dict[str, dict]  # checkpoints published in this launch, as they were right after the save
+    checkpoints: list[str]  # what the checkpoint folder held afterwards
+    progress: dict[str, int]  # and the step each complete one recorded
+    digests: dict[str, dict]  # and each complete one's files (size, mtime, sha256)
+    left_running: list[str]
+    seconds: float
+    event: Event | None = None
+    step: int | None = None
+
+    @property
+    def output(self) -> str:
+        return self.result.stdout + self.result.stderr
+
+
+def show(launch: Launch) -> str:
+    return f"exit {launch.result.returncode}\n--- stdout ---\n{launch.result.stdout[-3000:]}\n--- stderr ---\n{launch.result.stderr[-4000:]}"
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Live processes (not zombies) whose command line contains `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmdline and state not in ("Z", "X"):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def wait_for_no_processes(marker: str, timeout: float = 20) -> list[str]:
+    """Loader workers of a killed process notice within 5 s (torch's watchdog interval) that it is gone."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def command(template: Path, config: str | None, args: list[str], wrapped: bool) -> list[str]:
+    script = [str(INJECT), str(template)] if wrapped else [str(template)]
+    if config is None:
+        return [sys.executable, *script, *args]
+    processes = ["--num_processes", "2"] if config != "cpu.yaml" else []
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config), *processes,
+            "--main_process_port", str(free_port()), *script, *args]
+
+
+def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fault: dict[str, str] | None = None,
+        timeout: float = 300) -> Launch:
+    record = out.parent / f"records-{out.name}-{time.monotonic_ns()}"
+    env = clean_env(**({k: str(v) for k, v in fault.items()} | {"FAULT_RECORD": str(record)} if fault else {}))
+    started = time.monotonic()
+    result = subprocess.run(command(template, config, [*args, "--output_dir", str(out)], wrapped=fault is not None),
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    seconds = time.monotonic() - started
+    records = read_records(record)
+    saves = json.loads((record / "saves.json").read_text()) if (record / "saves.json").is_file() else {}
+    folder = out / "checkpoints"
+    checkpoints = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    progress = {name: json.loads((folder / name / "progress.json").read_text())["step"]
+                for name in checkpoints if (folder / name / "progress.json").is_file()}
+    digests = {name: current_digest(folder / name) for name in progress}
+    return Launch(result, records, saves, checkpoints, progress, digests, wait_for_no_processes(str(out)), seconds)
+
+
+def cell_args(cell: Cell, corpus: Path) -> tuple[str, ...]:
+    if cell.template == LM:
+        return (*LM_ARGS, "--data_path", str(corpus), *cell.args)
+    return (*IMAGE_ARGS, *cell.args)
+
+
+@dataclass
+class Chain:
+    baseline: Launch
+    launches: list[Launch] = field(default_factory=list)  # one per event, then the final one
+    out: Path | None = None
+
+
+def run_chain(name: str, root: Path, corpus: Path) -> Chain:
+    cell = CELLS[name]
+    args = cell_args(cell, corpus)
+    chain = Chain(baseline=run(cell.template, cell.config, root / "baseline", args), out=root / "run")
+    for event in cell.events:
+        fault = {"FAULT": event.fault, "FAULT_STEP": event.step, "FAULT_RANK": event.rank, "FAULT_SIGNAL": event.signal}
+        launch = run(cell.template, cell.config, chain.out, args, fault)
+        launch.event, launch.step = event, event.step
+        chain.launches.append(launch)
+    chain.launches.append(run(cell.template, cell.config, chain.out, args))  # to the end, --resume auto (the default)
+    return chain
+
+
+def one_run(template: Path, config: str | None, root: Path, args: tuple[str, ...], fault: dict | None = None) -> Launch:
+    return run(template, config, root / "run", args, fault)
+
+
+def hung_rank(root: Path) -> dict:
+    """Rank 1 of 2 stops (SIGSTOP) before step 3; rank 0 must give up after --timeout_s 10 and say so."""
+    out, record = root / "run", root / "records"
+    env = clean_env(FAULT="stop", FAULT_STEP="3", FAULT_RANK="1", FAULT_RECORD=str(record))
+    argv = command(IMAGE, "cpu_ddp.yaml", [*IMAGE_ARGS, "--num_workers", "0", "--timeout_s", "10", "--output_dir", str(out)],
+                   wrapped=True)
+    launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: dict[int, int] = {}
+    stopped_at = ended_at = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ended_at is None and launcher.poll() is None:
+            pids = {rank: r["pid"] for rank, r in read_records(record).items()}
+            if stopped_at is None and 1 in pids and process_state(pids[1]) == "T":
+                stopped_at = time.monotonic()
+            if stopped_at is not None and process_state(pids[0]) in (None, "Z"):
+                ended_at = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for pid in pids.values():  # the stopped rank: what the launcher would do 30 s later
+            if process_state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            stdout, stderr = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            stdout, stderr = launcher.communicate()
+    return {"waited": None if stopped_at is None or ended_at is None else ended_at - stopped_at, "stdout": stdout,
+            "stderr": stderr, "records": read_records(record), "returncode": launcher.returncode,
+            "left": wait_for_no_processes(str(out))}
+
+
+def read_records(folder: Path) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
+
+
+def process_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this module, two at a time; each test reads the ones it is about."""
+    root = tmp_path_factory.mktemp("faults")
+    corpus = root / "tiny.txt"
+    corpus.write_text(tiny_text())
+    lm_args = (*LM_ARGS, "--data_path", str(corpus), "--batch_size", "16")
+
+    def job(name: str, root: Path):
+        root.mkdir(parents=True)
+        if name in CELLS:
+            return run_chain(name, root, corpus)
+        if name == "hung-rank":
+            return hung_rank(root)
+        template, args = (IMAGE, IMAGE_ARGS) if name.endswith("image") else (LM, lm_args)
+        if name.startswith("fp16"):  # the image run stops after 5 steps and resumes, still on fp16 with its scaler
+            stop = ("--stop_after_steps", "5") if template == IMAGE else ()
+            first = one_run(template, None, root, (*args, *stop), {"FAULT": "inf_loss", "FAULT_STEP": 3})
+            return first, (one_run(template, None, root, args, {"FAULT": "inf_loss", "FAULT_STEP": 0}) if stop else None)
+        raise AssertionError(name)
+
+    # The hung rank mostly waits: it starts first, beside the longest chain.
+    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc", "fp16-image", "fp16-lm"]
+    if os.environ.get("FAULT_JOBS"):  # e.g. FAULT_JOBS=image-ddp,hung-rank: only these (the other tests then fail)
+        order = [name for name in order if name in os.environ["FAULT_JOBS"].split(",")]
+
+    def safe(name):
+        try:
+            return job(name, root / name)
+        except Exception as error:  # reported by the tests that need this run
+            return error
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(order, pool.map(safe, order)))
+    return results
+
+
+def get(runs, name):
+    result = runs.get(name, LookupError(f"{name} was not run (FAULT_JOBS)"))
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+# ------------------------------------------------------------------------------------- helpers
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(records: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in ("step", *DETERMINISTIC) if k in r} for r in records]
+
+
+def resumed_step(launch: Launch) -> int | None:
+    match = re.search(r"resumed from \S+ at step (\d+)", launch.result.stdout)
+    return int(match.group(1)) if match else None
+
+
+PROGRESS_BAR = re.compile(r"^train:\s+\d+%\|")
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def current_digest(folder: Path) -> dict[str, list]:
+    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()]
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def newest(launch: Launch) -> str:
+    """The checkpoint `--resume auto` takes: the highest step, the periodic one before the best at a step."""
+    return max(launch.progress, key=lambda name: (launch.progress[name], name.startswith("step_")))
+
+
+def assert_checkpoints_untouched(chain: Chain, launch: Launch) -> None:
+    """What this launch saved before the fault, and what earlier launches saved, is as it was right after its save."""
+    before = chain.launches[chain.launches.index(launch) - 1].digests if chain.launches.index(launch) else {}
+    assert launch.saves or before, "there should be checkpoints from before the fault"
+    for name, files in {**before, **launch.saves}.items():
+        if name in launch.digests:  # keep_last may have deleted the oldest, as in any run
+            assert launch.digests[name] == files, name
+
+
+# ---------------------------------------------------------------------------- killed and resumed
+@pytest.mark.parametrize("name", list(CELLS))
+def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
+    chain = get(runs, name)
+    assert chain.baseline.result.returncode == 0, show(chain.baseline)
+    final = chain.launches[-1]
+    assert final.result.returncode == 0, show(final)
+    base, out = Path(chain.baseline.result.args[-1]), chain.out  # the command's last word is its --output_dir
+    reference, resumed = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(reference) == sorted(resumed)
+    assert [k for k in reference if not torch.equal(reference[k], resumed[k])] == []
+    # The same metrics at every step too: lines after a resumed checkpoint were dropped and written again.
+    assert deterministic(metrics(out)) == deterministic(metrics(base))
+    assert final.left_running == [] and not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def faults(chain: Chain, *kinds: str):
+    """(launch, the launch after it, the step drawn) for each event of these kinds."""
+    return [(l, f, l.step) for l, f in zip(chain.launches, chain.launches[1:]) if l.event.fault in kinds]
+
+
+def one_error_line(launch: Launch, direct: bool) -> str:
+    """The template's `error:` line; run directly (not under accelerate launch) it is all of stderr."""
+    lines = sorted(set(error_lines(launch.result.stderr)))  # accelerate's own report repeats the child's stderr
+    assert len(lines) == 1, show(launch)
+    if direct:  # nothing else on stderr but the progress bar it closed first
+        rest = [line for line in re.split(r"[\r\n]+", launch.result.stderr) if line.strip() and not PROGRESS_BAR.match(line)]
+        assert rest == lines, show(launch)
+        assert "Traceback" not in launch.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", cells_with("kill", "kill_save"))
+def test_sigkill_at_a_drawn_step_or_mid_save_and_the_restart_resumes_before_it(runs, name):
+    chain = get(runs, name)
+    for launch, following, step in faults(chain, "kill", "kill_save"):
+        event = launch.event
+        assert launch.result.returncode != 0 and launch.left_running == [], show(launch)
+        acting = launch.records[event.rank]
+        assert acting["exit_code"] is None, acting  # it died by SIGKILL: no exit of its own
+        for rank, other in launch.records.items():  # stopped by the launcher, or noticed the loss and said so
+            assert rank == event.rank or other["exit_code"] in (None, 5), other
+        if event.fault == "kill":
+            assert acting["steps_done"] == step - 1, (event, step, acting)
+            assert (resumed_step(following) or 0) < step, following.result.stdout
+            continue
+        # kill_save: the interrupted save is reported, ignored, and the checkpoint before it used
+        tmp = [name for name in launch.checkpoints if name.startswith(".tmp-")]
+        assert len(tmp) == 1, launch.checkpoints
+        interrupted = int(tmp[0].rsplit("_", 1)[1])
+        assert interrupted >= step and acting["steps_done"] == interrupted, (step, tmp, acting)
+        assert f"ignoring incomplete checkpoint {chain.out / 'checkpoints' / tmp[0]} (its save was interrupted)" in following.result.stdout
+        assert resumed_step(following) is not None and resumed_step(following) < interrupted, following.result.stdout
+
+
+@pytest.mark.parametrize("name", cells_with("signal", "signal_launcher"))
+def test_preemption_signal_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_75(runs, name):
+    chain = get(runs, name)
+    for launch, following, step in faults(chain, "signal", "signal_launcher"):
+        event = launch.event
+        assert launch.records and all(r["exit_code"] == 75 for r in launch.records.values()), (launch.records, show(launch))
+        stopped = {r["steps_done"] for r in launch.records.values()}
+        assert len(stopped) == 1, launch.records  # every rank stopped after the same step
+        stop = stopped.pop()
+        if event.fault == "signal":  # sent to one rank only, just before this step: the ranks finish it, then stop
+            assert stop == step, (step, launch.records)
+        else:  # the launcher passes it on while the ranks train: they stop a step or so later, before the next fault
+            later = [l.event.low for l in chain.launches[chain.launches.index(launch) + 1:-1]]
+            assert step <= stop < min(later, default=math.inf), (step, stop)
+        if CELLS[name].config is None:
+            assert launch.result.returncode == 75
+        own = f"SIG{event.signal}" if event.rank == 0 or event.fault == "signal_launcher" else "another rank's signal"
+        assert f"stopped at step {stop} by a stop signal ({own}); checkpoint saved" in launch.result.stdout, show(launch)
+        periodic = [n for n in launch.checkpoints if n.startswith("step_")]
+        assert periodic[-1] == f"step_{stop:08d}" and launch.progress[periodic[-1]] == stop, launch.checkpoints
+        assert not [n for n in launch.checkpoints if n.startswith(".tmp-")]
+        assert launch.left_running == []  # loader workers included
+        assert resumed_step(following) == stop, following.result.stdout
+
+
+@pytest.mark.parametrize("name", cells_with("enospc"))
+def test_full_disk_during_a_save_stops_every_rank_with_one_line_and_keeps_the_previous_checkpoints(runs, name):
+    chain = get(runs, name)
+    for launch, following, step in faults(chain, "enospc"):
+        assert {r["exit_code"] for r in launch.records.values()} == {4}, (launch.records, show(launch))
+        assert launch.seconds < 120  # every rank learned of it at once, none waited for --timeout_s (600)
+        line = one_error_line(launch, direct=CELLS[name].config is None)
+        failed = re.match(r"error: saving checkpoint (\S+) failed: \[Errno 28\] No space left on device: \S+( \(on rank 1\))?; "
+                          r"the previous checkpoints are intact \(newest: (\S+)\), and the incomplete (\S+) is ignored on resume$", line)
+        assert failed, line
+        assert bool(failed.group(2)) == (launch.event.rank == 1)  # names the rank whose disk was full
+        failed_step = int(failed.group(1).rsplit("_", 1)[1])
+        assert failed_step >= step and Path(failed.group(1)).name not in launch.progress  # nothing published for it ...
+        assert failed.group(4) == f".tmp-{Path(failed.group(1)).name}" and failed.group(4) in launch.checkpoints
+        assert failed.group(3) == newest(launch)
+        assert_checkpoints_untouched(chain, launch)  # ... and what was saved before is as it was
+        assert f"ignoring incomplete checkpoint {chain.out / 'checkpoints' / failed.group(4)}" in following.result.stdout
+        assert resumed_step(following) == launch.progress[newest(launch)], following.result.stdout
+        assert launch.left_running == []
+
+
+@pytest.mark.parametrize("name", cells_with("nan_loss"))
+def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint_stays_intact(runs, name):
+    chain = get(runs, name)
+    for launch, following, step in faults(chain, "nan_loss"):
+        assert {r["exit_code"] for r in launch.records.values()} == {3}, (launch.records, show(launch))
+        line = one_error_line(launch, direct=CELLS[name].config is None)
+        assert line.startswith(f"error: non-finite gradients at step {step} ") and "the last good checkpoint is kept" in line
+        assert max(launch.progress.values()) < step and not [n for n in launch.checkpoints if n.startswith(".tmp-")]
+        assert_checkpoints_untouched(chain, launch)
+        assert resumed_step(following) == launch.progress[newest(launch)]
+        assert launch.left_running == []
+
+
+# ------------------------------------------------------------------------------------ a hung rank
+def test_hung_rank_ends_the_job_within_timeout_s_with_one_clear_line(runs):
+    hung = get(runs, "hung-rank")
+    assert hung["waited"] is not None, hung["stderr"][-3000:]
+    assert 9 <= hung["waited"] <= 10 + 20, hung["waited"]  # --timeout_s 10, and not much later
+    assert hung["records"][0]["exit_code"] == 5, hung["records"]
+    lines = error_lines(hung["stderr"])
+    assert lines and lines[0].startswith("error: rank 0: another rank died or did not answer within --timeout_s ("), hung["stderr"][-3000:]
+    assert "Timed out waiting 10000ms" in lines[0] and "resume with --resume auto" in lines[0]
+    assert hung["returncode"] != 0 and hung["left"] == []
+
+
+# ----------------------------------------------------------------------------------- fp16 overflow
+@pytest.mark.parametrize("template", ["image", "lm"])
+def test_fp16_overflow_is_skipped_by_the_scaler_counted_and_training_goes_on(runs, template):
+    """fp16 on the CPU: tests/fault_inject.py attaches torch.amp.GradScaler("cpu"), as accelerate does on GPUs."""
+    first, second = get(runs, f"fp16-{template}")
+    out = Path(first.result.args[-1])
+    assert first.result.returncode == 0, show(first)
+    if second is not None:
+        assert second.result.returncode == 0 and "resumed from" in second.result.stdout, show(second)
+    logged = {r["step"]: r for r in metrics(out) if "train/skipped_steps" in r}
+    assert sorted(logged) == list(range(1, 15))
+    assert [logged[s]["train/skipped_steps"] for s in range(1, 15)] == [0, 0] + [1] * 12  # counted (image: over a resume)
+    assert logged[3]["train/loss"] is None  # the inf, written as null
+    assert all(logged[s]["train/loss"] is not None and math.isfinite(logged[s]["train/loss"]) for s in logged if s != 3)
+    assert all((p / "scaler.pt").is_file() for p in (out / "checkpoints").iterdir())  # the scaler's state is checkpointed
+    weights = load_file(str(out / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
