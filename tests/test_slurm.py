@@ -1,0 +1,92 @@
+"""scripts/slurm_train.sbatch without Slurm: its trap, stop and requeue logic, with `scontrol` stubbed.
+
+The batch script runs a real 2-rank job (`accelerate launch` with cpu_ddp.yaml) through
+tests/fault_inject.py with no fault (it only records each rank's exit code); the test sends SIGUSR1
+to the script, as Slurm's `--signal=B:USR1@120` does, and checks that both ranks checkpointed the
+same step and exited 75, the script asked `scontrol requeue <job id>`, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, clean_env
+
+SCRIPT = REPO / "scripts" / "slurm_train.sbatch"
+ARGS = ("--epochs", "30", "--width", "8", "--depth", "1", "--batch_size", "96", "--num_workers", "1", "--log_every_steps", "1",
+        "--tracker", "none")
+
+
+def test_the_script_asks_slurm_for_what_the_readme_says():
+    text = SCRIPT.read_text()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@120", "trap 'forward_stop USR1' USR1",
+                 "pkill -USR1 -P \"$launcher\"", "scontrol requeue \"${SLURM_JOB_ID}\"", "--resume auto &"):
+        assert line in text, line
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0  # valid bash
+
+
+def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(tmp_path):
+    fake_bin, out, records, calls = tmp_path / "bin", tmp_path / "run", tmp_path / "records", tmp_path / "scontrol.calls"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    env = clean_env(
+        PATH=os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), ACCELERATE_CONFIG="accelerate_configs/cpu_ddp.yaml",
+        TEMPLATE="tests/fault_inject.py", FAULT_RECORD=str(records),
+    )
+    job = subprocess.Popen(["bash", str(SCRIPT), "templates/image_classification.py", *ARGS, "--output_dir", str(out)],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _trained_a_step(out):  # a step or more done: the signal comes in the middle of training
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    shown = f"exit {job.returncode}\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    assert job.returncode == 0, shown
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in records.glob("rank*.json")}
+    assert sorted(ranks) == [0, 1] and {r["exit_code"] for r in ranks.values()} == {75}, (ranks, shown)
+    step = ranks[0]["steps_done"]
+    assert ranks[1]["steps_done"] == step, ranks
+    assert f"stopped at step {step} by a stop signal (SIGUSR1); checkpoint saved" in stdout, shown
+    progress = json.loads((out / "checkpoints" / f"step_{step:08d}" / "progress.json").read_text())
+    assert progress["step"] == step and not list((out / "checkpoints").glob(".tmp-*"))
+    assert calls.read_text().split("\n") == ["requeue 4242", ""]
+    assert "slurm_train: stopped by USR1, checkpoint saved; requeueing job 4242" in stderr
+    assert _processes_mentioning(str(out)) == []
+
+
+def _trained_a_step(out: Path) -> bool:
+    try:
+        return any('"train/loss"' in line for line in (out / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def _processes_mentioning(marker: str, timeout: float = 15) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if marker in cmdline and state not in ("Z", "X"):
+                found.append(f"{entry.name}: {cmdline[:160]}")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
