@@ -83,14 +83,18 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-calls = {"steps": 0, "train_losses": 0, "fired": False}
+calls = {"steps": 0, "fired": False, "resuming": False}
 
 # --- the resumed step, from the checkpoint manager the template uses
 real_resume = template.CheckpointManager.resume
 
 
 def resume(self, *args, **kwargs):
-    progress = real_resume(self, *args, **kwargs)
+    calls["resuming"] = True
+    try:
+        progress = real_resume(self, *args, **kwargs)
+    finally:
+        calls["resuming"] = False
     state["resumed_step"] = state["steps_done"] = progress.step
     record()
     return progress
@@ -103,6 +107,8 @@ real_step = torch.optim.AdamW.step
 
 
 def step(self, *args, **kwargs):
+    if calls["resuming"]:  # FSDP's optimizer-state loading takes a step with lr 0 to create the state: not training
+        return real_step(self, *args, **kwargs)
     if ACTS and not calls["fired"] and global_step() == AT:
         if FAULT == "kill":
             die()
