@@ -2,7 +2,7 @@
 
 Each template runs through its real `main(argv)`, with its own datasets, `common.data.build_loader`
 defaults (prefetch, persistent workers, pin_memory) and its own choice of loader workers
-(`--num_workers -1`, the default). The prepared training loader is wrapped so that every `next()`
+(the default `--num_workers`). The prepared training loader is wrapped so that every `next()`
 the loop makes is timed; the wait share is that time over the steps' time, from the second epoch
 (image) or the second step (language model) on, with evaluation and checkpoint time left out of
 the steps' time. Four data sources, the default one of each template and the file-backed one:
@@ -10,8 +10,8 @@ the steps' time. Four data sources, the default one of each template and the fil
   image, digits        the default: an in-memory tensor dataset (the template picks 0 workers)
   image, PNG folder    --data_dir: the digits written as PNG files, decoded and resized in workers
   language, stdlib     the default: the Python standard library's sources in memory (0 workers)
-  language, token file --data_path: the same bytes as uint16 train.bin/val.bin, memory-mapped, in workers
-  (and, for comparison, the token files read in the training process: --num_workers 0)
+  language, token file --data_path: the same bytes as uint16 train.bin/val.bin, memory-mapped (0 workers)
+  (and, for comparison, the token files read by one loader worker: --num_workers 1)
 
 Models and batch sizes are the templates' defaults; only run lengths are shortened.
 
@@ -87,7 +87,7 @@ def cases(workdir: Path, quick: bool) -> list[tuple[str, str, list[str]]]:
         ("image, PNG folder", "image_classification", ["--epochs", "2", "--data_dir", str(png)]),
         ("language, stdlib (default)", "language_model", lm),
         ("language, token files", "language_model", [*lm, "--data_path", str(tokens)]),
-        ("language, token files, --num_workers 0 (not the default)", "language_model", [*lm, "--data_path", str(tokens), "--num_workers", "0"]),
+        ("language, token files, --num_workers 1 (not the default)", "language_model", [*lm, "--data_path", str(tokens), "--num_workers", "1"]),
     ]
 
 
@@ -156,8 +156,9 @@ NOTES = """
   (accelerate's DataLoaderShard, which fetches one batch ahead), over the steps' own time (from
   the second epoch of the image runs, the second step of the language runs; evaluation and
   checkpoint saves not counted as step time).
-- Workers are the templates' own choice on this machine (`--num_workers -1`): 0 for in-memory
-  data, `common.data.default_num_workers()` for files, i.e. (cores - 1) per process, here 1.
+- Workers are the templates' defaults on this machine: the image template picks 0 for in-memory
+  data and `common.data.default_num_workers()` for image files, i.e. (cores - 1) per process, here 1;
+  the language template reads in the training process (0 workers) for text and token files alike.
 - Default model sizes and batch sizes; the PNG folder is the 1797 digits as 8x8 PNG files, resized
   to the template's default 32x32 RGB (so the model is the default one for 32x32 images).
 """

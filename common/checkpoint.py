@@ -253,7 +253,8 @@ class CheckpointManager:
                         "mode": self.mode,
                     }
                     _write_json(tmp / PROGRESS_FILE, meta)
-                    _fsync_tree(tmp)
+                    # Linked files are the twin's, already synced when it was saved; their folders are new.
+                    _fsync_tree(tmp, files=twin is None)
                     if final.exists():
                         _remove_checkpoint(final)
                     os.replace(tmp, final)
@@ -498,9 +499,10 @@ def _fsync_dir(path: Path) -> None:
     _fsync_file(path)
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and folder below `root` so the rename that follows publishes finished data."""
-    for folder, _, files in os.walk(root):
-        for name in files:
+def _fsync_tree(root: Path, files: bool = True) -> None:
+    """Flush every folder (and, unless told not to, every file) below `root`, so the rename that
+    follows publishes finished data."""
+    for folder, _, names in os.walk(root):
+        for name in names if files else ():
             _fsync_file(Path(folder) / name)
         _fsync_dir(Path(folder))

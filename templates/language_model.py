@@ -36,7 +36,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from common.accelerator import build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, default_num_workers, split_by_key  # noqa: E402
+from common.data import build_loader, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
@@ -83,7 +83,7 @@ class Config:
     prompt: str = field(default="def ", metadata={"help": "Text the sample at the end continues (byte-level data only)."})
     sample_tokens: int = field(default=200, metadata={"help": "Tokens to sample at the end (0: no sample)."})
     temperature: float = field(default=0.8, metadata={"help": "Sampling temperature of that sample."})
-    num_workers: int = field(default=-1, metadata={"help": "Loader workers per process; -1 picks for the data."})
+    num_workers: int = field(default=0, metadata={"help": "Loader workers per process. 0 reads in the training process: a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a worker (bench/data_loading.py); raise it for slow storage."})
     mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
     seed: int = field(default=0, metadata={"help": "Seeds init, data order and dropout."})
     resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
@@ -112,7 +112,7 @@ class Config:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         for name in ("vocab_size", "eval_every_steps", "weight_decay", "warmup_steps", "grad_clip", "checkpoint_every_steps",
-                     "stop_after_steps", "sample_tokens", "peak_tflops"):
+                     "stop_after_steps", "sample_tokens", "peak_tflops", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -410,9 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # Validation: the same evenly spread windows every time and for any number of processes.
     eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
     val_set = Subset(corpus.val, np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int)).tolist())
-    in_memory = isinstance(corpus.train.tokens, np.ndarray)  # slicing memory is faster than a worker hop
-    num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if in_memory else default_num_workers())
-    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
+    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=cfg.num_workers)
     train_loader = build_loader(corpus.train, batch_size=cfg.batch_size, train=True, **loader_args)
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
