@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,31 @@ def launch(
         command += ["--num_processes", str(num_processes)]
     command += [str(script), *args]
     return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Live processes (not zombies) whose command line contains `marker`, as 'pid: cmdline'."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmdline and state not in ("Z", "X"):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def wait_for_no_processes(marker: str, timeout: float = 20) -> list[str]:
+    """The processes still mentioning `marker` after up to `timeout` s. Loader workers of a killed
+    process notice within 5 s (torch's watchdog interval) that it is gone."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def load_template(name: str):

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, free_port
+from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -126,30 +126,6 @@ class Launch:
 
 def show(launch: Launch) -> str:
     return f"exit {launch.result.returncode}\n--- stdout ---\n{launch.result.stdout[-3000:]}\n--- stderr ---\n{launch.result.stderr[-4000:]}"
-
-
-def processes_mentioning(marker: str) -> list[str]:
-    """Live processes (not zombies) whose command line contains `marker`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker in cmdline and state not in ("Z", "X"):
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
-
-
-def wait_for_no_processes(marker: str, timeout: float = 20) -> list[str]:
-    """Loader workers of a killed process notice within 5 s (torch's watchdog interval) that it is gone."""
-    deadline = time.monotonic() + timeout
-    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def command(template: Path, config: str | None, args: list[str], wrapped: bool) -> list[str]:

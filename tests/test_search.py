@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CONFIGS, REPO, clean_env, free_port
+from conftest import CONFIGS, REPO, clean_env, free_port, processes_mentioning, wait_for_no_processes
 
 from common import search as search_module
 from common import seeds as seeds_module
@@ -61,31 +61,6 @@ def cli(module: str, *args: str, timeout: float = 240, **popen) -> subprocess.Co
 def start_cli(module: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def processes_mentioning(marker: str) -> list[str]:
-    """Live processes (not zombies) whose command line contains `marker`, as 'pid: cmdline'."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker in cmdline and state not in ("Z", "X"):
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
-
-
-def wait_for_no_processes(marker: str, timeout: float = 10) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = processes_mentioning(marker)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
 
 
 def load_results(out: Path, study: str) -> dict:

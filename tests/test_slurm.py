@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, wait_for_no_processes
 
 SCRIPT = REPO / "scripts" / "slurm_train.sbatch"
 ARGS = ("--epochs", "30", "--width", "8", "--depth", "1", "--batch_size", "96", "--num_workers", "1", "--log_every_steps", "1",
@@ -65,7 +65,7 @@ def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(t
     assert progress["step"] == step and not list((out / "checkpoints").glob(".tmp-*"))
     assert calls.read_text().split("\n") == ["requeue 4242", ""]
     assert "slurm_train: stopped by USR1, checkpoint saved; requeueing job 4242" in stderr
-    assert _processes_mentioning(str(out)) == []
+    assert wait_for_no_processes(str(out), timeout=15) == []
 
 
 def _trained_a_step(out: Path) -> bool:
@@ -73,20 +73,3 @@ def _trained_a_step(out: Path) -> bool:
         return any('"train/loss"' in line for line in (out / "metrics.jsonl").read_text().splitlines())
     except OSError:
         return False
-
-
-def _processes_mentioning(marker: str, timeout: float = 15) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if marker in cmdline and state not in ("Z", "X"):
-                found.append(f"{entry.name}: {cmdline[:160]}")
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.2)
