@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,24 @@ def test_one_process_trains_exports_and_samples(tmp_path, corpus):
     assert "sample:\ndef " in result.stdout
     assert metrics(tmp_path / "run", "tokens_per_s") and metrics(tmp_path / "run", "peak_memory_gb")
     assert not metrics(tmp_path / "run", "mfu")  # no GPU, no peak to compare with: no MFU rather than a made-up one
+
+
+def test_template_and_common_alone_train_in_an_empty_folder(tmp_path):
+    """Copied as the README says (this file and common/), on its built-in corpus, with no repo around it."""
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy2(TEMPLATE, app / "language_model.py")
+    shutil.copytree(REPO / "common", app / "common", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    probe = subprocess.run([sys.executable, "-c", "import common"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr  # the runs below use the copy
+
+    launched = launch("cpu.yaml", app / "language_model.py", *TINY, cwd=app, env=env)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "bits per byte; unigram entropy of the same bytes" in launched.stdout
+    assert (app / "runs" / "language_model" / "model.safetensors").is_file()  # the default output_dir
+    assert sorted(p.name for p in app.iterdir()) == ["common", "language_model.py", "runs"]
 
 
 # ------------------------------------------------------------------------------------------- DDP
