@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -77,6 +78,20 @@ def wait_for_no_processes(marker: str, timeout: float = 20) -> list[str]:
     while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
+
+
+def copy_template_alone(name: str, root: Path) -> tuple[Path, dict[str, str]]:
+    """templates/<name>.py and common/ copied into an empty `root/app`, as the README tells users to,
+    and an environment in which the repository's own common/ is not importable."""
+    app = root / "app"
+    app.mkdir()
+    shutil.copy2(REPO / "templates" / f"{name}.py", app / f"{name}.py")
+    shutil.copytree(REPO / "common", app / "common", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    probe = subprocess.run([sys.executable, "-c", "import common"], cwd=root, env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr  # the runs use the copy
+    return app, env
 
 
 def load_template(name: str):

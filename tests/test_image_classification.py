@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import REPO, clean_env, launch, load_template
+from conftest import REPO, clean_env, copy_template_alone, launch, load_template
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 TINY = ("--epochs", "2", "--width", "8", "--depth", "1", "--tracker", "none")
@@ -312,16 +312,7 @@ def test_weight_comparison_detects_a_different_run(tmp_path, single_baseline):
 
 # ------------------------------------------------------------------------------- 5. copyability
 def test_template_and_common_alone_train_in_an_empty_folder(tmp_path):
-    app = tmp_path / "app"
-    app.mkdir()
-    shutil.copy2(TEMPLATE, app / "image_classification.py")
-    shutil.copytree(REPO / "common", app / "common", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    env = clean_env()
-    env.pop("PYTHONPATH", None)
-    # The repo's own common/ is not importable from outside it, so the runs below use the copy.
-    probe = subprocess.run([sys.executable, "-c", "import common"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr
-
+    app, env = copy_template_alone("image_classification", tmp_path)
     tiny = ("--epochs", "1", "--width", "8", "--depth", "1", "--tracker", "none")
     launched = launch("cpu.yaml", app / "image_classification.py", *tiny, cwd=app, env=env)
     assert launched.returncode == 0, show(launched)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, clean_env, launch, load_template
+from conftest import REPO, clean_env, copy_template_alone, launch, load_template
 
 TEMPLATE = REPO / "templates" / "language_model.py"
 STEPS = 14
@@ -124,15 +123,7 @@ def test_one_process_trains_exports_and_samples(tmp_path, corpus):
 
 def test_template_and_common_alone_train_in_an_empty_folder(tmp_path):
     """Copied as the README says (this file and common/), on its built-in corpus, with no repo around it."""
-    app = tmp_path / "app"
-    app.mkdir()
-    shutil.copy2(TEMPLATE, app / "language_model.py")
-    shutil.copytree(REPO / "common", app / "common", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    env = clean_env()
-    env.pop("PYTHONPATH", None)
-    probe = subprocess.run([sys.executable, "-c", "import common"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr  # the runs below use the copy
-
+    app, env = copy_template_alone("language_model", tmp_path)
     launched = launch("cpu.yaml", app / "language_model.py", *TINY, cwd=app, env=env)
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert "bits per byte; unigram entropy of the same bytes" in launched.stdout
