@@ -47,7 +47,6 @@ from common.errors import SaveError, UsageError, is_rank_lost, one_line
 
 PROGRESS_FILE = "progress.json"
 RUN_FILE = "run.json"
-EXPORT_FILE = "model.safetensors"
 _NAME = re.compile(r"^(step|best_step)_(\d{8})$")
 
 
