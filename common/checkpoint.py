@@ -48,6 +48,13 @@ from common.errors import SaveError, UsageError, is_rank_lost, one_line
 PROGRESS_FILE = "progress.json"
 RUN_FILE = "run.json"
 _NAME = re.compile(r"^(step|best_step)_(\d{8})$")
+# Options that may differ between a run and its resume: where and how long this session runs, how it
+# reports and how often it saves. They change nothing about what is trained. Any other difference
+# means another run, and a resume refuses it. Templates add their own (e.g. the end-of-run sample).
+MAY_CHANGE_ON_RESUME = frozenset({
+    "resume", "output_dir", "stop_after_steps", "num_workers", "timeout_s", "tracker", "wandb_project",
+    "log_every_steps", "checkpoint_every_steps", "keep_last",
+})
 
 
 @dataclass
@@ -79,6 +86,7 @@ class CheckpointManager:
         metric: str,
         mode: str = "max",
         keep_last: int = 3,
+        may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
     ):
         if mode not in ("max", "min"):
             raise UsageError(f"checkpoint metric mode must be 'max' or 'min', got {mode!r}")
@@ -92,6 +100,7 @@ class CheckpointManager:
         self.metric = metric
         self.mode = mode
         self.keep_last = keep_last
+        self.may_change = frozenset(may_change)
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> Progress:
@@ -133,6 +142,7 @@ class CheckpointManager:
             raise UsageError(
                 f"checkpoint {path} was written by template {meta.get('template')!r}, not {self.template!r}"
             )
+        self._check_settings(path, meta)
         if meta.get("world_size") != self.accelerator.num_processes:
             self._print(
                 f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), resuming with "
@@ -250,6 +260,7 @@ class CheckpointManager:
                         "world_size": accelerator.num_processes,
                         "metric": self.metric,
                         "mode": self.mode,
+                        "config": self.config,  # what the resume compares its own settings with
                     }
                     _write_json(tmp / PROGRESS_FILE, meta)
                     # Linked files are the twin's, already synced when it was saved; their folders are new.
@@ -267,6 +278,32 @@ class CheckpointManager:
             raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
                             f"and the incomplete {tmp.name} is ignored on resume")
         return final
+
+    def _check_settings(self, path: Path, meta: dict) -> None:
+        """Refuse a checkpoint of a run with other settings: resuming it would continue another run
+        under this run's name (a sweep trial reporting a previous trial's result as its own)."""
+        saved = meta.get("config")
+        run_file = path.parent.parent / RUN_FILE
+        if saved is None and run_file.is_file():  # written before checkpoints recorded their settings
+            try:
+                saved = json.loads(run_file.read_text()).get("config")
+            except (OSError, ValueError, AttributeError):
+                saved = None
+        if not isinstance(saved, dict):
+            return
+        now = json.loads(json.dumps(self.config))  # as it would read back from JSON: lists, floats
+        differ = [name for name in sorted(saved.keys() | now.keys())
+                  if name not in self.may_change and saved.get(name, _ABSENT) != now.get(name, _ABSENT)]
+        if not differ:
+            return
+        shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
+                          for name in differ[:4])
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        raise UsageError(
+            f"checkpoint {path} belongs to a run with other settings: {shown}{more}. A run resumes only with its "
+            f"own settings (only {', '.join('--' + n for n in sorted(self.may_change))} may change); "
+            "for a new run choose another --output_dir, or --resume none with an empty one"
+        )
 
     def _any_failure(self, failure: str | None) -> str | None:
         """The first failure any rank reports (None if none): one small collective that replaces a barrier."""
@@ -305,6 +342,13 @@ class CheckpointManager:
 
     def _print(self, message: str) -> None:
         self.accelerator.print(message)
+
+
+_ABSENT = object()
+
+
+def _shown(value) -> str:
+    return "(not set)" if value is _ABSENT else json.dumps(value)
 
 
 def read_progress(path: Path) -> dict:

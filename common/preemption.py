@@ -4,10 +4,17 @@ Slurm (and most cluster schedulers, and spot-instance agents) send SIGTERM, or a
 choice such as SIGUSR1 via `--signal`, some time before they kill a job. The handler only sets a
 flag; the training loop asks `stop_requested()` after each optimizer step, and all ranks agree
 through one tiny all-reduce, so they stop at the same step even when only one rank got the signal.
+
+Under `wandb agent` the two signals mean different things. The agent itself stops a run with SIGTERM
+(hyperband's early termination, a stopped or cancelled sweep): that run is over for good. SIGUSR1
+stays the scheduler's warning of a preemption: that run asks W&B to requeue it (`requeue`), and the
+agent that gets it again starts it under the same run id, in the same folder, where it resumes.
+Outside a sweep both signals mean "preempted: requeue me" (exit code 75).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -15,6 +22,13 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Agreed across ranks by MAX: a preemption warning on any rank outranks a plain stop on another.
+_RANK = {None: 0, signal.SIGTERM: 1, signal.SIGUSR1: 2}
+
+
+def under_sweep_agent() -> bool:
+    """True in a run that `wandb agent` started: it sets both variables for the command it runs."""
+    return bool(os.environ.get("WANDB_SWEEP_ID") and os.environ.get("WANDB_RUN_ID"))
 
 
 class PreemptionWatcher:
@@ -25,16 +39,35 @@ class PreemptionWatcher:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = signum
+        if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
+            self.received = signum
 
     def stop_requested(self) -> bool:
-        """True on every rank if any rank received a stop signal. Call it on all ranks at the same step."""
-        local = 1 if self.received is not None else 0
-        if self.accelerator.num_processes == 1 or not dist.is_initialized():
-            return bool(local)
-        flag = torch.tensor([local], device=self.accelerator.device, dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """True on every rank if any rank received a stop signal. Call it on all ranks at the same step.
+
+        Afterwards every rank holds the same `received` signal, also the ranks that got none.
+        """
+        local = _RANK.get(self.received, 1)
+        if self.accelerator.num_processes > 1 and dist.is_initialized():
+            flag = torch.tensor([local], device=self.accelerator.device, dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            local = int(flag.item())
+        if local and self.received is None:  # another rank's signal: adopt it, so every rank ends alike
+            self.received = next(signum for signum, rank in _RANK.items() if rank == local)
+        return bool(local)
+
+    @property
+    def requeue(self) -> bool:
+        """Whether the run should come back (exit 75, and under a sweep W&B's requeue) rather than end for good."""
+        if self.received is None:
+            return False
+        return not (under_sweep_agent() and self.received == signal.SIGTERM)
 
     def describe(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "another rank's signal"
+        """Why the run stopped, for its last line."""
+        if self.received is None:
+            return "no stop signal"
+        name = signal.Signals(self.received).name
+        if self.requeue:
+            return f"{name} (preemption)"
+        return f"{name} from the W&B sweep agent (early termination or a stopped sweep: not requeued)"

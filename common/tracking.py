@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,23 @@ def wandb_has_credentials() -> bool:
         return netrc.netrc(path).authenticators(host) is not None
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
+
+
+def sweep_run_dir(output_dir: str) -> str:
+    """`<output_dir>/<sweep id>/<run id>` in a run that `wandb agent` started, else `output_dir` itself.
+
+    The agent starts every run of a sweep with the same command, so without this all of them would
+    share one folder and each would resume the one before. It sets WANDB_SWEEP_ID and WANDB_RUN_ID
+    for the command (every rank inherits them), and a run it requeues after a preemption keeps its
+    id: it finds its own folder and resumes there.
+    """
+    sweep, run = os.environ.get("WANDB_SWEEP_ID"), os.environ.get("WANDB_RUN_ID")
+    if not (sweep and run):
+        return output_dir
+    for name, value in (("WANDB_SWEEP_ID", sweep), ("WANDB_RUN_ID", run)):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value) or set(value) == {"."}:
+            raise UsageError(f"{name}={value!r} cannot name a folder; W&B ids are letters, digits, - and _")
+    return os.path.join(output_dir, sweep, run)
 
 
 class Tracker:
@@ -111,11 +129,18 @@ class Tracker:
         if self.run is not None:
             self.run.summary.update(values)
 
-    def finish(self) -> None:
+    def finish(self, requeue: bool = False, exit_code: int = 0) -> None:
+        """End the W&B run. `requeue`: a preempted sweep run; W&B gives it to an agent again, same id.
+
+        W&B requeues a run that is marked preempting and ends with a non-zero exit code; one that
+        ends with 0 is finished. The code is passed here because W&B would otherwise record 0.
+        """
         if self.run is None:
             return
         run_dir = Path(self.run.dir).parent
-        self.run.finish()
+        if requeue:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=exit_code)
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")

@@ -33,7 +33,7 @@ from common.data import build_loader, default_num_workers, split_by_key, split_i
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import Tracker, progress_bar  # noqa: E402
+from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -233,6 +233,7 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 @report_usage_errors
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
+    cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
     accelerator = build_accelerator(
         seed=cfg.seed,
         mixed_precision=cfg.mixed_precision,
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar.close()
 
     if stopping:
-        reason = f"a stop signal ({preemption.describe()})" if preempted else "--stop_after_steps"
+        reason = preemption.describe() if preempted else "--stop_after_steps"
         accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
 
     if progress.epoch == cfg.epochs:
@@ -338,10 +339,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
         tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
-    tracker.finish()
+    requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
+    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
     accelerator.end_training()
-    if preempted:
-        sys.exit(EXIT_PREEMPTED)  # tells a job script to requeue (README: Slurm)
+    if requeue:
+        sys.exit(EXIT_PREEMPTED)  # tells a job script (README: Slurm) or W&B to requeue the run
     return metrics
 
 

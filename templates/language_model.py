@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ besid
 from accelerate.utils import set_seed  # noqa: E402
 
 from common.accelerator import build_accelerator, describe  # noqa: E402
-from common.checkpoint import CheckpointManager, export_weights, load_exported  # noqa: E402
+from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import config_to_dict, parse_config  # noqa: E402
 from common.data import build_loader, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import Tracker, progress_bar  # noqa: E402
+from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -395,6 +395,7 @@ def peak_memory_gb(device: torch.device) -> float:
 @report_usage_errors
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
+    cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
     accelerator = build_accelerator(
         seed=cfg.seed,
         mixed_precision=cfg.mixed_precision,
@@ -433,6 +434,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ckpt = CheckpointManager(
         accelerator, cfg.output_dir, template="language_model", config=config_to_dict(cfg),
         metric="val/loss", mode="min", keep_last=cfg.keep_last,
+        # These change how the run is watched or how fast it runs, not what it trains: a resume may change them.
+        may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
+                                           "compile", "activation_checkpointing"},
     )
     set_seed(cfg.seed, device_specific=True)  # each rank its own dropout stream
     progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
@@ -520,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     if stopping:
         ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
-        reason = f"a stop signal ({preemption.describe()})" if preempted else "--stop_after_steps"
+        reason = preemption.describe() if preempted else "--stop_after_steps"
         accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
     if progress.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again
@@ -537,10 +541,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
-    tracker.finish()
+    requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
+    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
     accelerator.end_training()
-    if preempted:
-        sys.exit(EXIT_PREEMPTED)  # tells a job script to requeue (README: Slurm)
+    if requeue:
+        sys.exit(EXIT_PREEMPTED)  # tells a job script (README: Slurm) or W&B to requeue the run
     return metrics
 
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from common.accelerator import build_accelerator
 from common.checkpoint import (
     PROGRESS_FILE,
+    MAY_CHANGE_ON_RESUME,
     CheckpointManager,
     Progress,
     export_weights,
@@ -388,11 +389,42 @@ def test_checkpoint_of_another_template_is_refused(job, tmp_path):
 def test_checkpoint_for_another_model_shape_is_refused_in_one_line(job, tmp_path):
     path = job.ckpt.save(Progress(step=1))
     wider = setup(tmp_path / "wider", width=16)
+    wider.ckpt.config = job.ckpt.config  # the same settings, a model changed in the code
     with pytest.raises(UsageError) as info:
         wider.ckpt.resume(str(path))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"checkpoint {path} does not fit this model and optimizer: ")
+
+
+def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_written(job, tmp_path):
+    path = job.ckpt.save(Progress(step=1))
+    before = snapshot(job.ckpt.output_dir)
+    for resume in ("auto", str(path)):  # the run's own folder, and the checkpoint named from elsewhere
+        output = job.ckpt.output_dir if resume == "auto" else tmp_path / "elsewhere"
+        other = CheckpointManager(job.accelerator, output, template="tiny", config={"width": 8, "lr": 0.5},
+                                  metric="val/accuracy")
+        with pytest.raises(UsageError) as info:
+            other.resume(resume)
+        message = str(info.value)
+        assert "\n" not in message and "belongs to a run with other settings: --lr (not set) there, 0.5 now" in message
+        assert "another --output_dir" in message
+    assert snapshot(job.ckpt.output_dir) == before and not (tmp_path / "elsewhere").exists()
+
+
+def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):
+    job.ckpt.config = {"width": 8, "keep_last": 3, "output_dir": "a", "custom": 1}
+    path = job.ckpt.save(Progress(step=3))
+    moved = {"width": 8, "keep_last": 1, "output_dir": "b", "custom": 1}
+    again = CheckpointManager(job.accelerator, tmp_path / "b", template="tiny", config=moved, metric="val/accuracy")
+    assert again.resume(str(path)).step == 3
+    custom = dict(moved, custom=2)
+    allowed = CheckpointManager(job.accelerator, tmp_path / "c", template="tiny", config=custom, metric="val/accuracy",
+                                may_change=MAY_CHANGE_ON_RESUME | {"custom"})
+    assert allowed.resume(str(path)).step == 3
+    refused = CheckpointManager(job.accelerator, tmp_path / "d", template="tiny", config=custom, metric="val/accuracy")
+    with pytest.raises(UsageError, match="--custom 1 there, 2 now"):
+        refused.resume(str(path))
 
 
 def test_unreadable_progress_or_run_file_is_a_usage_error(job):

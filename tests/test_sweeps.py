@@ -11,16 +11,19 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
-
 from conftest import CONFIGS, REPO, clean_env, free_port
 
 from common.config import parse_config
@@ -28,8 +31,9 @@ from common.sweep import build_command, load_sweep
 
 with warnings.catch_warnings():  # the sweeps package still uses a pydantic v1 config key
     warnings.simplefilter("ignore")
-    import sweeps
     from wandb import wandb_agent
+
+    import sweeps
 
 SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
 # What each template really logs once per evaluation, and which way is better.
@@ -219,3 +223,181 @@ def test_agent_argv_reaches_every_rank_unchanged(path, monkeypatch, tmp_path):
         if name not in overridden:
             assert_arrived(ranks[0][name], spec["value"], name)
     assert json.loads((out / "run.json").read_text())["config"] == ranks[0]
+
+
+# ------------------------------------------------------------------- runs as `wandb agent` starts them
+# The shipped sweep files, run the way `wandb agent` runs them: wandb's own Agent builds each run's argv
+# and environment (WANDB_SWEEP_ID, WANDB_RUN_ID, ...), the process starts from a checkout of this
+# repository, and nothing is added to the command. Only the sweep's training length is shortened.
+AGENT_CASES = {
+    "image_classification": dict(config="cpu.yaml", short={"epochs": 2}, long={"epochs": 5}, shape=("width", "depth")),
+    "language_model": dict(config="cpu_ddp.yaml", short={"max_steps": 12, "eval_every_steps": 6},
+                           long={"max_steps": 60, "eval_every_steps": 10}, shape=("n_layer", "n_embd", "n_head")),
+}
+SWEEP_ID = "swp0test"
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of W&B's offline run files (`.wandb`: a LevelDB-style log of protobuf records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    records = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, pending = path.read_bytes(), 7, b""  # 7: the file header (":W&B", magic, version)
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # block trailer
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a full record, or the last piece of one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                records.append(record)
+                pending = b""
+    return records
+
+
+def record_kinds(run_dir: Path) -> list[str]:
+    return [record.WhichOneof("record_type") for record in wandb_records(run_dir)]
+
+
+class SweepAgent:
+    """wandb's own Agent, offline, in a checkout: `start` builds a run's command and environment with the
+    agent's `_command_run` and starts it as its AgentProcess does (Popen, the agent's environment);
+    `stop` is the agent's `_command_stop` (SIGTERM to the command it started)."""
+
+    def __init__(self, checkout: Path, sweep_config: dict, monkeypatch):
+        self.checkout, self.sweep_config, self.monkeypatch = checkout, sweep_config, monkeypatch
+
+    def start(self, run_id: str, proposal: dict, output) -> subprocess.Popen:
+        captured = {}
+
+        class Recorder:
+            def __init__(self, command=None, env=None, **kwargs):
+                captured.update(command=command, env=env)
+
+        self.monkeypatch.setattr(wandb_agent, "AgentProcess", Recorder)
+        self.monkeypatch.chdir(self.checkout)
+        self.monkeypatch.setenv("WANDB_DIR", str(self.checkout))
+        self.monkeypatch.setenv("WANDB_SWEEP_ID", SWEEP_ID)  # as `wandb agent` sets it for its runs
+        self.monkeypatch.setenv("WANDB_RUN_ID", "unset")  # _command_run sets it; monkeypatch restores it
+        agent = wandb_agent.Agent(api=None, queue=None, sweep_id=SWEEP_ID)
+        agent._sweep_command = list(self.sweep_config["command"])
+        agent._command_run({"type": "run", "run_id": run_id, "program": self.sweep_config["program"], "args": proposal})
+        agent_vars = {k: v for k, v in captured["env"].items() if k.startswith("WANDB_") and k != "WANDB_MODE"}
+        env = clean_env(**agent_vars, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        return subprocess.Popen(captured["command"], cwd=self.checkout, env=env, stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def run(self, run_id: str, proposal: dict, signum: int | None = None, folder: Path | None = None
+            ) -> tuple[int, str]:
+        """Start a run and wait for it. With `signum`, signal it once its first checkpoint is in `folder`:
+        SIGTERM to the command (the agent's stop) or SIGUSR1 to the training processes (a scheduler's
+        preemption warning, passed on to them as scripts/slurm_train.sbatch does)."""
+        log = self.checkout / f"{run_id}.{signum or 0}.log"
+        with log.open("w") as handle:
+            proc = self.start(run_id, proposal, handle)
+            if signum is not None:
+                while proc.poll() is None and not list((folder / "checkpoints").glob("step_*")):
+                    time.sleep(0.05)
+                if signum == signal.SIGTERM:
+                    proc.terminate()  # wandb_agent.AgentProcess.terminate
+                else:
+                    for rank in psutil.Process(proc.pid).children():  # the launcher's children: the ranks
+                        rank.send_signal(signum)
+            proc.wait(timeout=300)
+        return proc.returncode, log.read_text()
+
+
+def sweep_checkout(root: Path) -> Path:
+    """The parts of this repository a user runs `wandb agent` in: templates, common, configs, sweeps."""
+    checkout = root / "checkout"
+    for part in ("templates", "common", "accelerate_configs", "sweeps"):
+        shutil.copytree(REPO / part, checkout / part, ignore=shutil.ignore_patterns("__pycache__"))
+    return checkout
+
+
+def with_values(sweep_config: dict, values: dict) -> dict:
+    """The sweep with some parameters fixed (a shorter run), as a user would edit the file."""
+    return dict(sweep_config, parameters={**sweep_config["parameters"], **{k: {"value": v} for k, v in values.items()}})
+
+
+def proposals_with_shapes(sweep_config: dict, shape: tuple[str, ...], count: int) -> list[dict]:
+    """`count` proposals of W&B's engine, the first two of different model shapes."""
+    np.random.seed(3)
+    found = [propose(sweep_config)]
+    while len(found) < count:
+        proposal = propose(sweep_config)
+        if len(found) > 1 or any(proposal[k]["value"] != found[0][k]["value"] for k in shape):
+            found.append(proposal)
+    return found
+
+
+@pytest.mark.parametrize("template", sorted(AGENT_CASES))
+def test_wandb_agent_runs_each_run_in_its_own_folder_and_requeues_only_preempted_runs(template, monkeypatch, tmp_path):
+    case = AGENT_CASES[template]
+    checkout = sweep_checkout(tmp_path)
+    sweep_config = read(checkout / "sweeps" / f"{template}.yaml")
+    command = sweep_config["command"]
+    command[command.index("--config_file") + 1] = f"accelerate_configs/{case['config']}"
+    if case["config"] != "cpu.yaml":  # two ranks: the sweep file's advice for agents sharing a machine
+        command[command.index("--config_file"):command.index("--config_file")] = ["--main_process_port",
+                                                                                  str(free_port())]
+    agent = SweepAgent(checkout, sweep_config, monkeypatch)
+    runs_root = checkout / "runs" / template / SWEEP_ID
+
+    # Three runs one after another, the first two of different model shapes: each trains from scratch
+    # in its own folder, with exactly its proposed values, and reports its own result.
+    short = with_values(sweep_config, case["short"])
+    finals = {}
+    for number, proposal in enumerate(proposals_with_shapes(short, case["shape"], 3)):
+        run_id = f"run{number}"
+        code, output = agent.run(run_id, proposal)
+        assert code == 0, output[-3000:]
+        assert "resumed from" not in output
+        folder = runs_root / run_id
+        config = json.loads((folder / "run.json").read_text())["config"]
+        for name, spec in proposal.items():
+            assert_arrived(config[name], spec["value"], name)
+        assert config["output_dir"] == f"runs/{template}/{SWEEP_ID}/{run_id}"
+        assert (folder / "model.safetensors").is_file()
+        losses = [r["val/loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+                  if "val/loss" in r]
+        assert losses and losses not in finals.values()  # a result of its own, not the run before's
+        finals[run_id] = losses
+        assert "preempting" not in record_kinds(folder)
+    assert sorted(p.name for p in runs_root.iterdir()) == ["run0", "run1", "run2"]
+    assert not (checkout / "runs" / template / "checkpoints").exists()
+
+    long = with_values(sweep_config, case["long"])
+    np.random.seed(4)
+    proposal = propose(long)
+
+    # Preempted (the scheduler's SIGUSR1): checkpoint, marked preempting, non-zero exit: W&B requeues it.
+    folder = runs_root / "preempted"
+    code, output = agent.run("preempted", proposal, signal.SIGUSR1, folder)
+    assert code != 0 and "by SIGUSR1 (preemption)" in output, output[-3000:]
+    checkpoints = sorted((folder / "checkpoints").glob("step_*"))
+    assert checkpoints, output[-3000:]
+    kinds = record_kinds(folder)
+    assert "preempting" in kinds
+    assert [r.exit.exit_code for r in wandb_records(folder) if r.WhichOneof("record_type") == "exit"] == [75]
+    # ... and the agent that gets it again (same run id, same values) resumes it from its own checkpoint.
+    code, output = agent.run("preempted", proposal)
+    assert code == 0, output[-3000:]
+    assert f"resumed from runs/{template}/{SWEEP_ID}/preempted/checkpoints/{checkpoints[-1].name}" in output
+    assert (folder / "model.safetensors").is_file()
+
+    # Stopped by the agent (early termination): it ends for good, never marked preempting. (accelerate's
+    # launcher passes SIGTERM to the whole process tree, W&B's service included, so the W&B run may end
+    # without an exit record; when it has one, it says 0.)
+    folder = runs_root / "stopped"
+    code, output = agent.run("stopped", proposal, signal.SIGTERM, folder)
+    assert "from the W&B sweep agent" in output and "not requeued" in output, output[-3000:]
+    assert sorted((folder / "checkpoints").glob("step_*")), output[-3000:]
+    assert "preempting" not in record_kinds(folder)
+    assert [r.exit.exit_code for r in wandb_records(folder) if r.WhichOneof("record_type") == "exit"] in ([], [0])
+    assert not (folder / "model.safetensors").exists()

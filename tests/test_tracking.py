@@ -39,7 +39,7 @@ class FakeWandb(types.ModuleType):
         self.inits.append(kwargs)
         run = SimpleNamespace(logged=[], summary={}, finished=False, dir=str(Path(kwargs["dir"]) / "wandb" / "run-x" / "files"))
         run.log = lambda metrics, step: run.logged.append((step, metrics))
-        run.finish = lambda: setattr(run, "finished", True)
+        run.finish = lambda exit_code=None: setattr(run, "finished", True)
         return run
 
 
@@ -256,3 +256,22 @@ def test_unreadable_netrc_means_no_credentials(no_wandb_env):
     (no_wandb_env / ".netrc").write_text('machine "api.wandb.ai\n')
     (no_wandb_env / ".netrc").chmod(0o600)
     assert wandb_has_credentials() is False
+
+
+def test_sweep_run_dir_gives_each_wandb_agent_run_its_own_folder(monkeypatch):
+    from common.tracking import sweep_run_dir
+
+    monkeypatch.delenv("WANDB_SWEEP_ID", raising=False)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    assert sweep_run_dir("runs/x") == "runs/x"
+    monkeypatch.setenv("WANDB_SWEEP_ID", "swp1")
+    assert sweep_run_dir("runs/x") == "runs/x"  # no run id: not a run the agent started
+    monkeypatch.setenv("WANDB_RUN_ID", "r7k2")
+    assert sweep_run_dir("runs/x") == os.path.join("runs/x", "swp1", "r7k2")
+    for bad in ("../up", "a/b", "..", ""):
+        monkeypatch.setenv("WANDB_RUN_ID", bad)
+        if bad:
+            with pytest.raises(UsageError, match="WANDB_RUN_ID"):
+                sweep_run_dir("runs/x")
+        else:
+            assert sweep_run_dir("runs/x") == "runs/x"
