@@ -18,6 +18,15 @@ EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: req
 
 F = TypeVar("F", bound=Callable[..., object])
 
+# Called with (exit code, message) when main() fails after the run started: see tracking.RunStatus.
+_failure_hook: Callable[[int, str], None] | None = None
+
+
+def at_failure(hook: Callable[[int, str], None] | None) -> None:
+    """Have `hook(exit_code, message)` called when the wrapped main() fails (one hook: the current run's)."""
+    global _failure_hook
+    _failure_hook = hook
+
 
 class UsageError(Exception):
     """Something the user passed is wrong; the message names it and says what to do."""
@@ -73,7 +82,13 @@ def _peer_reason(error: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
+def _record_failure(code: int, message: str) -> None:
+    if _failure_hook is not None:
+        _failure_hook(code, message)
+
+
 def _report(message: str, code: int, every_rank: bool = False) -> None:
+    _record_failure(code, message)
     _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
     if every_rank or is_first_local_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -89,6 +104,19 @@ def report_usage_errors(main: F) -> F:
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        try:
+            return reported(*args, **kwargs)
+        except SystemExit as error:  # ours above (already recorded), or a template's exit code
+            if error.code not in (0, None):
+                _record_failure(error.code if isinstance(error.code, int) else 1, str(error.code))
+            raise
+        except BaseException as error:  # a bug, or Ctrl-C: the traceback follows; the end state says failed
+            _record_failure(130 if isinstance(error, KeyboardInterrupt) else 1, one_line(error))
+            raise
+        finally:
+            at_failure(None)
+
+    def reported(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UsageError as error:

@@ -33,7 +33,7 @@ from common.data import build_loader, default_num_workers, split_by_key, split_i
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
+from common.tracking import RunStatus, Tracker, progress_bar, sweep_run_dir  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     set_seed(cfg.seed, device_specific=True)  # each rank its own dropout and augmentation stream
     progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
     tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
     accelerator.print(
         f"{len(train_set)} training / {len(val_set)} validation images, {sum(p.numel() for p in model.parameters()):,} parameters, "
@@ -329,8 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ckpt.save(progress)
     bar.close()
 
+    reason = preemption.describe() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
-        reason = preemption.describe() if preempted else "--stop_after_steps"
         accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
 
     if progress.epoch == cfg.epochs:
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
     requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
+    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
     tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
     accelerator.end_training()
     if requeue:

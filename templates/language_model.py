@@ -40,7 +40,7 @@ from common.data import build_loader, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
+from common.tracking import RunStatus, Tracker, progress_bar, sweep_run_dir  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -440,6 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     set_seed(cfg.seed, device_specific=True)  # each rank its own dropout stream
     progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
     tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
     peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
     tokens_per_micro_batch = cfg.batch_size * cfg.block_size * accelerator.num_processes
@@ -522,9 +523,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 break
     bar.close()
 
+    reason = preemption.describe() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
-        reason = preemption.describe() if preempted else "--stop_after_steps"
         accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
     if progress.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again
@@ -542,6 +543,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
     requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
+    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
     tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
     accelerator.end_training()
     if requeue:

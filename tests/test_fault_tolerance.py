@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
+from common.tracking import read_status
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -116,6 +117,7 @@ class Launch:
     digests: dict[str, dict]  # and each complete one's files (size, mtime, sha256)
     left_running: list[str]
     seconds: float
+    status: dict | None = None  # <output_dir>/status.json afterwards
     event: Event | None = None
     step: int | None = None
 
@@ -152,7 +154,8 @@ def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fa
     progress = {name: json.loads((folder / name / "progress.json").read_text())["step"]
                 for name in checkpoints if (folder / name / "progress.json").is_file()}
     digests = {name: current_digest(folder / name) for name in progress}
-    return Launch(result, records, saves, checkpoints, progress, digests, wait_for_no_processes(str(out)), seconds)
+    return Launch(result, records, saves, checkpoints, progress, digests, wait_for_no_processes(str(out)), seconds,
+                  read_status(out))
 
 
 def cell_args(cell: Cell, corpus: Path) -> tuple[str, ...]:
@@ -214,7 +217,7 @@ def hung_rank(root: Path) -> dict:
             stdout, stderr = launcher.communicate()
     return {"waited": None if stopped_at is None or ended_at is None else ended_at - stopped_at, "stdout": stdout,
             "stderr": stderr, "records": read_records(record), "returncode": launcher.returncode,
-            "left": wait_for_no_processes(str(out))}
+            "left": wait_for_no_processes(str(out)), "status": read_status(out)}
 
 
 def read_records(folder: Path) -> dict[int, dict]:
@@ -426,6 +429,34 @@ def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint_stays_intac
         assert launch.left_running == []
 
 
+# ---------------------------------------------------------------------------------- the end state
+# What status.json says after each launch of each chain, whatever exit code the launcher turned it into.
+END_STATE = {"kill": ("running", None), "kill_save": ("running", None), "signal": ("preempted", 75),
+             "signal_launcher": ("preempted", 75), "enospc": ("failed", 4), "nan_loss": ("failed", 3)}
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_status_json_says_how_every_launch_ended(runs, name):
+    chain = get(runs, name)
+    for launch in chain.launches[:-1]:
+        state, code = END_STATE[launch.event.fault]
+        if launch.event.fault.startswith("kill") and launch.event.rank != 0:  # the main process lives on and notices
+            state, code = "failed", 5
+        assert launch.status is not None and launch.status["state"] == state, (launch.event, launch.status)
+        if state == "running":  # SIGKILLed: nothing could write more; a reader knows the run crashed
+            continue
+        assert launch.status["exit_code"] == code, launch.status
+        if state == "failed":
+            assert error_lines(launch.output)[0] == f"error: {launch.status['error']}", launch.status
+        else:
+            assert launch.status["step"] == max(r["steps_done"] for r in launch.records.values()), launch.status
+        if CELLS[name].config is not None:  # what the launcher made of it: 1, or 143 when it got the SIGTERM
+            assert launch.result.returncode == (143 if launch.event.fault == "signal_launcher" else 1), show(launch)
+    for launch in (chain.baseline, chain.launches[-1]):
+        assert launch.status["state"] == "finished" and launch.status["exit_code"] == 0, launch.status
+        assert launch.result.returncode == 0
+
+
 # ------------------------------------------------------------------------------------ a hung rank
 def test_hung_rank_ends_the_job_within_timeout_s_with_one_clear_line(runs):
     hung = get(runs, "hung-rank")
@@ -436,6 +467,8 @@ def test_hung_rank_ends_the_job_within_timeout_s_with_one_clear_line(runs):
     assert lines and lines[0].startswith("error: rank 0: another rank died or did not answer within --timeout_s ("), hung["stderr"][-3000:]
     assert "Timed out waiting 10000ms" in lines[0] and "resume with --resume auto" in lines[0]
     assert hung["returncode"] != 0 and hung["left"] == []
+    assert hung["status"]["state"] == "failed" and hung["status"]["exit_code"] == 5, hung["status"]
+    assert f"error: {hung['status']['error']}" == lines[0]
 
 
 # ----------------------------------------------------------------------------------- fp16 overflow

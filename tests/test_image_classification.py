@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, copy_template_alone, launch, load_template
+from common.tracking import read_status
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 TINY = ("--epochs", "2", "--width", "8", "--depth", "1", "--tracker", "none")
@@ -285,6 +286,9 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
 
     result = run_template(config, out, *EXACT, "--stop_after_steps", str(first_stop))
     assert f"stopped at step {first_stop}" in result.stdout
+    status = read_status(out)  # the end state, as written behind `accelerate launch`
+    assert (status["state"], status["exit_code"], status["step"]) == ("stopped", 0, first_stop), status
+    assert status["reason"] == "--stop_after_steps"
     progress = progress_of(out / "checkpoints" / f"step_{first_stop:08d}")
     assert (progress["epoch"], progress["batches_in_epoch"]) == (0, 2 * first_stop)  # mid-epoch 1
 
@@ -297,6 +301,7 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     result = run_template(config, out, *EXACT, "--resume", "auto")
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
     assert "final validation accuracy" in result.stdout
+    assert read_status(out)["state"] == "finished"
 
     assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
     strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731

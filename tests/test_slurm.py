@@ -39,7 +39,7 @@ def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(t
     env = clean_env(
         PATH=os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), ACCELERATE_CONFIG="accelerate_configs/cpu_ddp.yaml",
-        TEMPLATE="tests/fault_inject.py", FAULT_RECORD=str(records),
+        TEMPLATE="tests/fault_inject.py", FAULT_RECORD=str(records), RUN_STATUS_FILE=str(tmp_path / "slurm-4242.status.json"),
     )
     job = subprocess.Popen(["bash", str(SCRIPT), "templates/image_classification.py", *ARGS, "--output_dir", str(out)],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -64,8 +64,28 @@ def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(t
     progress = json.loads((out / "checkpoints" / f"step_{step:08d}" / "progress.json").read_text())
     assert progress["step"] == step and not list((out / "checkpoints").glob(".tmp-*"))
     assert calls.read_text().split("\n") == ["requeue 4242", ""]
+    assert "slurm_train: run ended: preempted (exit code 75; launcher 1)" in stderr  # the launcher says 1
     assert "slurm_train: stopped by USR1, checkpoint saved; requeueing job 4242" in stderr
+    assert json.loads((tmp_path / "slurm-4242.status.json").read_text())["state"] == "preempted"
     assert wait_for_no_processes(str(out), timeout=15) == []
+
+
+def test_a_failed_run_ends_the_job_with_its_own_exit_code_and_is_not_requeued(tmp_path):
+    fake_bin, out, calls = tmp_path / "bin", tmp_path / "run", tmp_path / "scontrol.calls"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    env = clean_env(
+        PATH=os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=str(REPO), ACCELERATE_CONFIG="accelerate_configs/cpu.yaml",
+        TEMPLATE="tests/fault_inject.py", FAULT="nan_loss", FAULT_STEP="2", FAULT_RECORD=str(tmp_path / "records"),
+        RUN_STATUS_FILE=str(tmp_path / "status.json"),
+    )
+    job = subprocess.run(["bash", str(SCRIPT), "templates/image_classification.py", *ARGS, "--output_dir", str(out)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 3, job.stderr[-3000:]  # the NaN's exit code, not the launcher's 1
+    assert "slurm_train: run ended: failed (exit code 3; launcher 1)" in job.stderr
+    assert not calls.exists()
 
 
 def _trained_a_step(out: Path) -> bool:
