@@ -67,6 +67,10 @@ class Progress:
     best_metric: float | None = None
     best_step: int | None = None
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
+    # The training loss of the log interval in progress (sum over its micro-batches, and their count), so
+    # the first value logged after a resume is the one an uninterrupted run logs, whatever the intervals.
+    interval_loss_sum: float = 0.0
+    interval_batches: int = 0
 
 
 class CheckpointManager:

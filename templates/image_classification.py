@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     bar = progress_bar(accelerator, total_steps, initial=progress.step)
-    session_steps, running_loss, running_count = 0, 0.0, 0
+    session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
     for epoch in range(progress.epoch, cfg.epochs):
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1
-            running_loss += loss.item()
-            running_count += 1
+            progress.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            progress.interval_batches += 1
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -308,11 +308,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             session_steps += 1
             bar.update(1)
             if progress.step % cfg.log_every_steps == 0:
-                train_loss = running_loss / running_count
+                train_loss = progress.interval_loss_sum / progress.interval_batches
                 tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                              "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
-                running_loss, running_count = 0.0, 0
+                progress.interval_loss_sum, progress.interval_batches = 0.0, 0
             if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0 and progress.batches_in_epoch < micro_batches:
                 ckpt.save(progress)  # not at an epoch's last step: that is saved after its evaluation, below
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step

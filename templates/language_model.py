@@ -450,19 +450,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"({micro_batches} micro-batches per epoch), learning rate {learning_rate:g}"
     )
 
-    def validate() -> dict[str, float]:
+    def validate(record: bool = True) -> dict[str, float]:
         metrics = evaluate(model, val_loader, accelerator)
         if corpus.byte_level:  # one token is one byte: nats per token / ln 2 = bits per byte
             metrics["val/bpb"] = metrics["val/loss"] / math.log(2)
-        tracker.log(metrics, step=progress.step)
         bpb = f", {metrics['val/bpb']:.3f} bits per byte" if "val/bpb" in metrics else ""
         accelerator.print(f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
-        ckpt.save_best(progress, metrics["val/loss"])  # before save(): the periodic checkpoint records the new best
-        ckpt.save(progress)
+        if record:  # not when a finished run is resumed: its evaluation is logged and saved already
+            tracker.log(metrics, step=progress.step)
+            ckpt.save_best(progress, metrics["val/loss"])  # before save(): the periodic checkpoint records the new best
+            ckpt.save(progress)
         return metrics
 
     bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
-    session_steps, running_loss, running_count, interval_batches = 0, 0.0, 0, 0
+    session_steps, timed_batches = 0, 0
     metrics: dict[str, float] = {}
     stopping = preempted = mfu_warned = False
     model.train()
@@ -486,9 +487,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             progress.batches_in_epoch += 1
             if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
                 progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
-            running_loss += loss.item()
-            running_count += 1
-            interval_batches += 1
+            progress.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            progress.interval_batches += 1
+            timed_batches += 1
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -497,8 +498,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bar.update(1)
             if progress.step % cfg.log_every_steps == 0:
                 elapsed = time.perf_counter() - interval_start
-                tokens_per_s = interval_batches * tokens_per_micro_batch / elapsed
-                logged = {"train/loss": running_loss / running_count, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
+                tokens_per_s = timed_batches * tokens_per_micro_batch / elapsed
+                logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                           "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
                 if peak_tflops:
                     mfu = flops_per_token * tokens_per_s / (accelerator.num_processes * peak_tflops * 1e12)
@@ -509,10 +510,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         mfu_warned = True
                 tracker.log(logged, step=progress.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-                running_loss, running_count, interval_batches, interval_start = 0.0, 0, 0, time.perf_counter()
+                progress.interval_loss_sum, progress.interval_batches = 0.0, 0
+                timed_batches, interval_start = 0, time.perf_counter()
             if progress.step == cfg.max_steps or (cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0):
                 metrics = validate()
-                interval_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
+                timed_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
             if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
                 ckpt.save(progress)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
@@ -528,8 +530,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
         accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
     if progress.step == cfg.max_steps:
-        if not metrics:  # resumed a finished run: report it again
-            metrics = validate()
+        if not metrics:  # resumed a finished run: report it again, log nothing twice
+            metrics = validate(record=False)
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
         if corpus.byte_level:  # the context-free baseline: what a model ignoring context would score
             entropy = unigram_entropy(np.concatenate([targets.numpy() for _, targets in val_set]))

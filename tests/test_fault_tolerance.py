@@ -75,6 +75,7 @@ class Cell:
     config: str | None  # None: `python template.py`; else `accelerate launch` with this config (2 processes unless cpu.yaml)
     events: tuple[Event, ...]
     args: tuple[str, ...] = ()
+    again: bool = False  # after the chain, run the finished run once more (it must log nothing twice)
 
 
 # One chain of faults per cell, one launch each, then a launch to the end. Each event's range lies
@@ -83,14 +84,15 @@ class Cell:
 # end (7 steps on one process, 4 on two); language model every 3 steps and at the evaluations (5, 10, 14).
 CELLS = {
     "image-1proc": Cell(IMAGE, None, (Event("kill", 0, 2, 4), Event("nan_loss", 1, 5, 6), Event("enospc", 2, 7, 9),
-                                      Event("kill_save", 3, 10, 12))),
+                                      Event("kill_save", 3, 10, 12)),
+                        args=("--log_every_steps", "3"), again=True),  # logs off the checkpoint grid (every 2)
     "image-ddp": Cell(IMAGE, "cpu_ddp.yaml", (Event("kill", 4, 2, 3, rank=1), Event("enospc", 5, 4, 5, rank=1),
                                               Event("signal", 6, 6, 7, rank=1, signal="USR1"))),
     "image-fsdp": Cell(IMAGE, "fsdp.yaml", (Event("kill", 7, 2, 7, rank=0),)),
     "lm-1proc": Cell(LM, "cpu.yaml", (Event("kill", 8, 2, 3), Event("signal_launcher", 9, 4, 5), Event("enospc", 10, 9, 10),
-                                      Event("nan_loss", 11, 11, 13)), args=("--batch_size", "16")),
+                                      Event("nan_loss", 11, 11, 13)), args=("--batch_size", "16"), again=True),
     "lm-ddp": Cell(LM, "cpu_ddp.yaml", (Event("signal_launcher", 12, 2, 4, rank=0), Event("kill_save", 13, 8, 12, rank=0)),
-                   args=("--batch_size", "8")),
+                   args=("--batch_size", "8", "--log_every_steps", "2")),  # off the checkpoint grid (every 3)
     "lm-fsdp": Cell(LM, "fsdp.yaml", (Event("kill", 14, 2, 6, rank=1), Event("kill_save", 15, 8, 12, rank=1)),
                     args=("--batch_size", "8")),
 }
@@ -169,6 +171,7 @@ class Chain:
     baseline: Launch
     launches: list[Launch] = field(default_factory=list)  # one per event, then the final one
     out: Path | None = None
+    again: tuple[Launch, bytes] | None = None  # a resume of the finished run, and metrics.jsonl before it
 
 
 def run_chain(name: str, root: Path, corpus: Path) -> Chain:
@@ -181,6 +184,9 @@ def run_chain(name: str, root: Path, corpus: Path) -> Chain:
         launch.event, launch.step = event, event.step
         chain.launches.append(launch)
     chain.launches.append(run(cell.template, cell.config, chain.out, args))  # to the end, --resume auto (the default)
+    if cell.again:
+        logged = (chain.out / "metrics.jsonl").read_bytes()
+        chain.again = (run(cell.template, cell.config, chain.out, args), logged)
     return chain
 
 
@@ -329,6 +335,11 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
     # The same metrics at every step too: lines after a resumed checkpoint were dropped and written again.
     assert deterministic(metrics(out)) == deterministic(metrics(base))
     assert final.left_running == [] and not list((out / "checkpoints").glob(".tmp-*"))
+    if chain.again is not None:  # resuming the finished run reports it again and logs nothing twice
+        again, logged = chain.again
+        assert again.result.returncode == 0 and "resumed from" in again.result.stdout, show(again)
+        assert (out / "metrics.jsonl").read_bytes() == logged
+        assert again.status["state"] == "finished"
 
 
 def faults(chain: Chain, *kinds: str):
