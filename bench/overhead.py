@@ -211,8 +211,8 @@ def shuffled(dataset, batch_size: int, seed: int, epochs: int | None):
 def plain_image(module, argv: list[str], probe: "harness.Probe", turn: Lockstep) -> None:
     cfg = module.parse_config(module.Config, argv)
     seed_all(cfg.seed)
-    train_set, _, in_channels, num_classes = module.load_datasets(cfg)
-    model = module.build_model(cfg, in_channels, num_classes)
+    data = module.load_datasets(cfg)
+    train_set, model = data.train, module.build_model(cfg, data)
     total = cfg.epochs * (len(train_set) // cfg.batch_size)
     optimizer = adamw(model, cfg.weight_decay, cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(min(cfg.warmup_steps, total // 2), total))
@@ -283,7 +283,7 @@ def geometry(name: str, module, argv: list[str]) -> tuple[int, int, int, str]:
     """(first, last) step of the measured window, items per step, unit."""
     cfg = module.parse_config(module.Config, argv)
     if name == "image_classification":
-        train_set, *_ = module.load_datasets(cfg)
+        train_set = module.load_datasets(cfg).train
         per_epoch = len(train_set) // cfg.batch_size
         return per_epoch, cfg.epochs * per_epoch, cfg.batch_size, "images/s"
     first = cfg.log_every_steps if cfg.log_every_steps < cfg.max_steps else max(1, cfg.max_steps // 5)
@@ -532,8 +532,7 @@ def describe_setup(setup: str, argv: list[str], result: dict) -> str:
     module = harness.load_template(name)
     cfg = module.parse_config(module.Config, argv)
     if name == "image_classification":
-        _, _, channels, classes = module.load_datasets(cfg)
-        params = sum(p.numel() for p in module.build_model(cfg, channels, classes).parameters())
+        params = sum(p.numel() for p in module.build_model(cfg, module.load_datasets(cfg)).parameters())
         work = f"batch {cfg.batch_size} digits (8x8)"
     else:
         params = sum(p.numel() for p in module.GPT(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd).parameters())

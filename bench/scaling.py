@@ -80,8 +80,7 @@ def count_params(name: str, argv: list[str]) -> int:
     module = harness.load_template(name)
     cfg = module.parse_config(module.Config, argv)
     if name == "image_classification":
-        _, _, in_channels, num_classes = module.load_datasets(cfg)
-        model = module.build_model(cfg, in_channels, num_classes)
+        model = module.build_model(cfg, module.load_datasets(cfg))
     else:
         model = module.GPT(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
     return sum(p.numel() for p in model.parameters())

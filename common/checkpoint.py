@@ -91,6 +91,7 @@ class CheckpointManager:
         mode: str = "max",
         keep_last: int = 3,
         may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
+        model_info: dict | None = None,
     ):
         if mode not in ("max", "min"):
             raise UsageError(f"checkpoint metric mode must be 'max' or 'min', got {mode!r}")
@@ -105,6 +106,7 @@ class CheckpointManager:
         self.mode = mode
         self.keep_last = keep_last
         self.may_change = frozenset(may_change)
+        self.model_info = model_info  # what rebuilding and using the model needs; also in the export
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> Progress:
@@ -341,7 +343,8 @@ class CheckpointManager:
     def _write_run_file(self) -> None:
         if self.accelerator.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(self.output_dir / RUN_FILE, {"template": self.template, "config": self.config})
+            run = {"template": self.template, "config": self.config}
+            _write_json(self.output_dir / RUN_FILE, run | ({"model": self.model_info} if self.model_info else {}))
         self.accelerator.wait_for_everyone()
 
     def _print(self, message: str) -> None:
@@ -366,11 +369,13 @@ def read_progress(path: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- export
-def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str | os.PathLike) -> Path:
+def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str | os.PathLike,
+                   info: dict | None = None) -> Path:
     """Save the trained weights as one safetensors file that loads into the plain model.
 
     Call on every rank: under FSDP the full state dict is gathered from the shards. Tied tensors
-    (an embedding shared with the output layer) are stored once and named in the metadata.
+    (an embedding shared with the output layer) are stored once and named in the metadata, and so is
+    `info` (JSON): what rebuilding and using the model needs, read back with `export_info`.
     """
     path = Path(path)
     state_dict = accelerator.get_state_dict(model)
@@ -387,7 +392,8 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str |
         tmp = path.with_name(f".tmp-{path.name}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp), metadata={"format": "pt", "tied": json.dumps(tied)})
+            metadata = {"format": "pt", "tied": json.dumps(tied)} | ({"info": json.dumps(info)} if info else {})
+            save_file(tensors, str(tmp), metadata=metadata)
             _fsync_file(tmp)
             os.replace(tmp, path)
         except OSError as error:
@@ -401,6 +407,17 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str |
         raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
                         "so --resume auto writes it again")
     return path
+
+
+def export_info(path: str | os.PathLike) -> dict:
+    """What an export says about its model (e.g. the model's constructor arguments and class names), or {}."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            return json.loads((handle.metadata() or {}).get("info", "{}"))
+    except (OSError, SafetensorError, ValueError) as error:
+        raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
 
 
 def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:

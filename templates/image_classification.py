@@ -116,8 +116,16 @@ def list_images(root: Path, classes: list[str] | None = None) -> tuple[list[Path
     return paths, labels, classes
 
 
-def load_datasets(cfg: Config) -> tuple[Dataset, Dataset, int, int]:
-    """Returns (train, val, channels, classes); no sample is in both."""
+@dataclass
+class Images:
+    train: Dataset
+    val: Dataset  # no sample is in both
+    channels: int
+    classes: list[str]  # class names in label order
+    image_size: int  # side length of the images the model sees
+
+
+def load_datasets(cfg: Config) -> Images:
     if cfg.data_dir is None:
         from sklearn.datasets import load_digits
 
@@ -125,7 +133,7 @@ def load_datasets(cfg: Config) -> tuple[Dataset, Dataset, int, int]:
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         full = TensorDataset((images - 0.5) / 0.25, torch.tensor(digits.target))
         train_idx, val_idx = split_indices(len(full), cfg.val_fraction, seed=1234)  # fixed: same split for every seed
-        return Subset(full, train_idx), Subset(full, val_idx), 1, 10
+        return Images(Subset(full, train_idx), Subset(full, val_idx), 1, [str(d) for d in range(10)], 8)
     root = Path(cfg.data_dir)
     if not root.is_dir():
         raise UsageError(f"--data_dir {root}: no such folder")
@@ -142,12 +150,8 @@ def load_datasets(cfg: Config) -> tuple[Dataset, Dataset, int, int]:
             f"--data_dir {root}: need at least 2 class folders with images ({', '.join(sorted(IMAGE_SUFFIXES))}) "
             f"in training and validation; found {len(classes)} classes, {len(train_paths)} + {len(val_paths)} images"
         )
-    return (
-        ImageFiles(train_paths, train_labels, cfg.image_size),
-        ImageFiles(val_paths, val_labels, cfg.image_size),
-        3,
-        len(classes),
-    )
+    train, val = ImageFiles(train_paths, train_labels, cfg.image_size), ImageFiles(val_paths, val_labels, cfg.image_size)
+    return Images(train, val, 3, classes, cfg.image_size)
 
 
 def augment(images: torch.Tensor, hflip: bool) -> torch.Tensor:
@@ -192,6 +196,9 @@ class Block(nn.Module):
 class ResNet(nn.Module):
     def __init__(self, in_channels: int, num_classes: int, width: int, depth: int, stages: int, dropout: float):
         super().__init__()
+        # Stored with the run and in the export: ResNet(**options) rebuilds this model anywhere.
+        self.options = dict(in_channels=in_channels, num_classes=num_classes, width=width, depth=depth, stages=stages,
+                            dropout=dropout)
         layers: list[nn.Module] = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), group_norm(width), nn.ReLU()]
         channels = width
         for stage in range(stages):
@@ -206,10 +213,9 @@ class ResNet(nn.Module):
         return self.head(self.features(x))
 
 
-def build_model(cfg: Config, in_channels: int, num_classes: int) -> ResNet:
-    image_size = 8 if cfg.data_dir is None else cfg.image_size
-    stages = max(2, min(4, int(math.log2(image_size)) - 1))  # down to about 4x4 before pooling
-    return ResNet(in_channels, num_classes, cfg.width, cfg.depth, stages, cfg.dropout)
+def build_model(cfg: Config, data: Images) -> ResNet:
+    stages = max(2, min(4, int(math.log2(data.image_size)) - 1))  # down to about 4x4 before pooling
+    return ResNet(data.channels, len(data.classes), cfg.width, cfg.depth, stages, cfg.dropout)
 
 
 # ----------------------------------------------------------------------------------- evaluation
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
     set_seed(cfg.seed)  # the same initial weights on every rank
 
-    train_set, val_set, in_channels, num_classes = load_datasets(cfg)
+    data = load_datasets(cfg)
+    train_set, val_set = data.train, data.val
     num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers())
     loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
     train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **loader_args)
@@ -256,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
 
-    model = build_model(cfg, in_channels, num_classes)
+    model = build_model(cfg, data)
+    # What using the model needs, with the run and in the export: ResNet(**model), names of its outputs, input side.
+    model_info = {"model": model.options, "classes": data.classes, "image_size": data.image_size}
     learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate)
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, total_steps // 2), total_steps)
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager(
         accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
-        metric="val/accuracy", mode="max", keep_last=cfg.keep_last,
+        metric="val/accuracy", mode="max", keep_last=cfg.keep_last, model_info=model_info,
     )
     set_seed(cfg.seed, device_specific=True)  # each rank its own dropout and augmentation stream
     progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
@@ -337,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if progress.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)
-        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
     requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent

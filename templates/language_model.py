@@ -289,6 +289,9 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.0,
                  activation_checkpointing: bool = False):
         super().__init__()
+        # Stored with the run and in the export: GPT(**options) rebuilds this model anywhere.
+        self.options = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                            dropout=dropout)
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -420,6 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise UsageError(f"{len(corpus.train)} training windows make no full batch of {cfg.batch_size} per process")
 
     model = build_model(cfg, corpus.vocab_size)
+    model_info = {"model": model.options, "byte_level": corpus.byte_level}  # what using the model needs, with the run
     flops_per_token = model.flops_per_token(cfg.block_size)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.compile:  # each block in place: one small graph reused by every block, state-dict keys unchanged
@@ -437,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # These change how the run is watched or how fast it runs, not what it trains: a resume may change them.
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                            "compile", "activation_checkpointing"},
+        model_info=model_info,
     )
     set_seed(cfg.seed, device_specific=True)  # each rank its own dropout stream
     progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
@@ -532,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if progress.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
-        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors")
+        export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         if corpus.byte_level:  # the context-free baseline: what a model ignoring context would score
             entropy = unigram_entropy(np.concatenate([targets.numpy() for _, targets in val_set]))
             metrics["val/unigram_entropy"] = entropy

@@ -71,7 +71,8 @@ def test_fsdp_is_fsdp2_sharded_and_wraps_the_templates_block():
     module = load_template("image_classification")
     assert isinstance(module.Block, type) and module.Block.__name__ == "Block"
     # ... and the model the template builds is made of Blocks, so the wrap policy has units to wrap.
-    model = module.build_model(module.Config(width=8, depth=2), in_channels=1, num_classes=10)
+    cfg = module.Config(width=8, depth=2)
+    model = module.build_model(cfg, module.load_datasets(cfg))
     assert sum(type(m).__name__ == "Block" for m in model.modules()) >= 2
 
 

@@ -84,8 +84,8 @@ def evaluate_export(export: Path, *args: str) -> dict[str, float]:
 
     module = load_template("image_classification")
     cfg = module.parse_config(module.Config, list(args))
-    _, val_set, in_channels, num_classes = module.load_datasets(cfg)
-    model = module.build_model(cfg, in_channels, num_classes)
+    data = module.load_datasets(cfg)
+    val_set, model = data.val, module.build_model(cfg, data)
     assert isinstance(model, module.ResNet)
     load_exported(model, export)
     model.eval()
@@ -124,7 +124,7 @@ sys.modules["image_classification"] = module
 spec.loader.exec_module(module)
 export_weights = module.export_weights
 
-def dump_then_export(accelerator, model, path):
+def dump_then_export(accelerator, model, path, **kwargs):
     torch.save({
         "rank": accelerator.process_index,
         "num_processes": accelerator.num_processes,
@@ -133,7 +133,7 @@ def dump_then_export(accelerator, model, path):
         "wrapper": type(model).__name__,
         "state": {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
     }, f"{dump_dir}/rank{accelerator.process_index}.pt")
-    return export_weights(accelerator, model, path)
+    return export_weights(accelerator, model, path, **kwargs)
 
 module.export_weights = dump_then_export
 module.main()
@@ -449,3 +449,38 @@ def test_image_folder_data_trains(layout, tmp_path):
     assert [record["val/samples"] for record in vals] == [val] * 3
     assert "final validation accuracy" in result.stdout
     assert vals[-1]["val/accuracy"] >= 0.9, vals  # three easy classes (chance: 1/3); it reaches 100% here
+    if layout == "train-val":  # the export alone names its classes and rebuilds the model: classify the images
+        info = json.loads((out / "run.json").read_text())["model"]
+        probe = subprocess.run([sys.executable, "-c", USE_EXPORT, str(REPO), str(out / "model.safetensors"),
+                                str(data / "val")], capture_output=True, text=True, timeout=120, env=clean_env())
+        assert probe.returncode == 0, probe.stderr[-3000:]
+        result = json.loads(probe.stdout)
+        assert result["info"] == info and result["info"]["classes"] == sorted(CLASSES)
+        assert result["right"] >= 0.9 * result["total"] and result["total"] == 18, result
+
+
+# A separate Python process that knows only the export and the template's model code (argv: repo, export, folder).
+USE_EXPORT = """
+import importlib.util, json, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+spec = importlib.util.spec_from_file_location("template", Path(sys.argv[1]) / "templates" / "image_classification.py")
+template = importlib.util.module_from_spec(spec)
+sys.modules["template"] = template
+spec.loader.exec_module(template)
+from common.checkpoint import export_info, load_exported
+info = export_info(sys.argv[2])
+model = template.ResNet(**info["model"]).eval()
+load_exported(model, sys.argv[2])
+right = total = 0
+for folder in sorted(Path(sys.argv[3]).iterdir()):
+    paths = sorted(folder.iterdir())
+    images = template.ImageFiles(paths, [0] * len(paths), info["image_size"])
+    with torch.no_grad():
+        outputs = model(torch.stack([images[i][0] for i in range(len(paths))]))
+    named = [info["classes"][i] for i in outputs.argmax(-1).tolist()]
+    right += sum(name == folder.name for name in named)
+    total += len(paths)
+print(json.dumps({"info": info, "right": right, "total": total}))
+"""

@@ -40,7 +40,7 @@ import language_model as lm
 
 real_export = lm.export_weights
 
-def export_with_probe(accelerator, model, path):
+def export_with_probe(accelerator, model, path, **kwargs):
     probe = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1)).to(accelerator.device)
     model.eval()
     with torch.no_grad():
@@ -49,7 +49,7 @@ def export_with_probe(accelerator, model, path):
     if accelerator.is_main_process:
         wrapped = [isinstance(block, FSDPModule) for block in model.blocks]
         torch.save({{"probe": probe.cpu(), "logits": logits.cpu(), "blocks_wrapped": wrapped}}, {out!r})
-    return real_export(accelerator, model, path)
+    return real_export(accelerator, model, path, **kwargs)
 
 lm.export_weights = export_with_probe
 lm.main()
@@ -188,11 +188,14 @@ def test_fsdp_resume_is_bit_identical(fsdp_runs):
 
 
 def test_fsdp_export_loads_into_a_plain_model_with_the_same_logits(fsdp_runs):
-    from common.checkpoint import load_exported
+    from common.checkpoint import export_info, load_exported
 
     whole, _, _, probe_file = fsdp_runs
     lm = template()
-    model = lm.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    info = export_info(whole / "model.safetensors")  # the export alone says how to rebuild its model
+    assert info == json.loads((whole / "run.json").read_text())["model"] and info["byte_level"] is True
+    assert info["model"] == {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.1}
+    model = lm.GPT(**info["model"])
     load_exported(model, whole / "model.safetensors")
     probe = torch.load(probe_file)
     model.eval()
