@@ -14,6 +14,10 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
 - Pruner: hyperband when the file has `early_terminate` (min_iter, eta; or max_iter and s), else
   median. Optuna's step is the evaluation's number (1, 2, ...), the unit W&B's hyperband counts
   in, so min_iter means the same to both and trials with different batch sizes compare.
+  A trial that reported its final evaluation is complete, never pruned: the runner does not ask
+  the pruner once a trial has made as many evaluations as a full trial (the most of --max_resource,
+  the file's max_iter and any complete trial's count), and a trial whose process ended by itself
+  while the pruner was asked is complete with its last value.
 - Storage: a journal file, <output_dir>/<study>/journal.log by default; run the same command in
   more terminals for parallel workers. `--storage postgresql://user:pass@host/db` (or any
   SQLAlchemy URL) for workers on several machines.
@@ -285,6 +289,18 @@ def short(values: dict, sweep: Sweep) -> str:
     return " ".join(parts)
 
 
+def full_trial_evals(study, cfg: SearchConfig, sweep: Sweep) -> int:
+    """How many evaluations a full trial makes, as far as the study knows; 0 while unknown.
+
+    The most of: --max_resource and the sweep's early_terminate.max_iter (both declare it), and the
+    evaluations of every complete trial in the storage (how Optuna's hyperband learns it).
+    """
+    optuna = _optuna()
+    declared = cfg.max_resource or int((sweep.early_terminate or {}).get("max_iter") or 0)
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return max([declared, *(t.last_step for t in complete if t.last_step is not None)])
+
+
 def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir: Path, host: str) -> str:
     """Ask for a trial, run it, tell the study. Returns the trial's final state name."""
     optuna = _optuna()
@@ -301,10 +317,20 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
     print(f"trial {trial.number}: {short(values, sweep)} -> {out}", flush=True)
 
     last_beat = [time.monotonic()]
+    reported = [0]
 
     def report(index: int, step: int, value: float) -> None:
         trial.report(value, index)
+        reported[0] = index
         print(f"trial {trial.number}: evaluation {index} (step {step}): {sweep.metric} = {value:.6g}", flush=True)
+
+    def should_prune() -> bool:
+        # A trial that reported a full trial's last evaluation has done its work: it is complete, never pruned.
+        # (Optuna's pruners would stop it there: hyperband at a rung that equals the full length, median at any step.)
+        full = full_trial_evals(study, cfg, sweep)
+        if full and reported[0] >= full:
+            return False
+        return trial.should_prune()
 
     def tick() -> None:
         if time.monotonic() - last_beat[0] >= cfg.heartbeat_s:
@@ -312,7 +338,7 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
             last_beat[0] = time.monotonic()
 
     try:
-        result = run_trial(argv, out, sweep.metric, report=report, should_stop=trial.should_prune, tick=tick,
+        result = run_trial(argv, out, sweep.metric, report=report, should_stop=should_prune, tick=tick,
                            env=trial_env(), timeout_s=cfg.trial_timeout_s, grace_s=cfg.grace_s)
     except (KeyboardInterrupt, Interrupted):
         trial.set_user_attr("error", "interrupted: its worker was stopped")

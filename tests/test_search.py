@@ -236,6 +236,62 @@ def test_failed_trial_reports_its_last_error_line(tmp_path):
     assert result.state == "failed" and result.missing_metric and "val/acc" in result.logged_keys
 
 
+def test_a_job_that_ended_by_itself_while_its_stop_was_decided_is_complete(tmp_path):
+    """The job logs its last evaluation, goes on briefly (its final save) and exits 0 while the pruner answers."""
+    out = tmp_path / "trial"
+    argv = [sys.executable, str(FAKE), f"--output_dir={out}", "--values=0.9,0.8,0.7", "--sleep=0.05", "--linger=0.5"]
+    reports = []
+
+    def should_stop():
+        if len(reports) < 3:
+            return False
+        time.sleep(2.0)  # the job, lingering 0.5 s after its last evaluation, has exited by now
+        return True
+
+    result = run_trial(argv, out, "val/accuracy", report=lambda i, step, v: reports.append(v), should_stop=should_stop,
+                       poll_s=0.05)
+    assert reports == [0.9, 0.8, 0.7]
+    assert (result.state, result.returncode, result.value, result.error) == ("complete", 0, 0.7, None)
+
+
+def seed_study(out: Path, study_name: str, *values: float) -> None:
+    """A study in the runner's default journal holding one complete trial with these evaluations."""
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    (out / study_name).mkdir(parents=True)
+    storage = JournalStorage(JournalFileBackend(str(out / study_name / "journal.log")))
+    study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize")
+    study.add_trial(optuna.trial.create_trial(
+        params={"learning_rate": 0.5},
+        distributions={"learning_rate": optuna.distributions.FloatDistribution(0.1, 0.9)},
+        value=values[-1], intermediate_values=dict(enumerate(values, start=1))))
+
+
+def test_a_trial_that_reported_its_final_evaluation_is_complete_not_pruned(tmp_path):
+    """Median pruning at every evaluation, a complete trial of 3: the new trial's 3rd is its last, so no pruning there.
+
+    It stays running after the last evaluation (a final save), as a template does, so the pruner is asked while
+    it runs; its best, 0.5, is below the median 0.9 at evaluation 3, where Optuna alone would prune it.
+    """
+    out = tmp_path / "out"
+    seed_study(out, "fake", 0.1, 0.2, 0.9)
+    sweep = write_sweep(tmp_path)
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+               "--pruner", "median", "--median_startup_trials", "1", "--min_evals", "1",
+               "--", "--values=0.3,0.4,0.5", "--sleep=0.05", "--linger=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trial 1: evaluation 3 (step 30): val/accuracy = 0.5" in done.stdout, done.stdout
+    trial = load_results(out, "fake")["trials"][1]
+    assert (trial["state"], trial["value"], trial["evals"]) == ("complete", 0.5, 3), done.stdout
+    # A trial below the median before its last evaluation is still pruned (its best 0.25 < 0.3 at evaluation 2).
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
+               "--pruner", "median", "--median_startup_trials", "1", "--min_evals", "1",
+               "--", "--values=0.25,0.25,0.95", "--sleep=0.6")  # one evaluation per poll
+    assert done.returncode == 0, done.stdout + done.stderr
+    trial = load_results(out, "fake")["trials"][2]
+    assert (trial["state"], trial["evals"]) == ("pruned", 2), done.stdout
+
+
 def test_failed_trials_are_marked_failed_with_their_error(tmp_path):
     sweep = write_sweep(tmp_path, parameters={"crash": {"value": "boom at step 1"}})
     out = tmp_path / "out"
