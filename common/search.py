@@ -29,11 +29,16 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
 - A trial left RUNNING by a worker that died (killed, machine lost) is marked failed by the next
   worker that looks: at once when its process is gone on this machine, otherwise once its
   heartbeat is older than --stale_after_s.
+- <output_dir>/<study>/results.json is rewritten from the storage after every trial and at the
+  end, atomically and by one worker of the machine at a time (a lock file beside it), so the worker
+  that finishes last leaves the final one ("final": true, no trial running). A worker that ends
+  while others still run says so.
 - At the end: a table of the trials and the best parameters, also in <output_dir>/<study>/results.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -415,6 +420,7 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
             if done + running >= target:
                 break
             state = run_one(study, sweep, cfg, extra, study_dir, host)
+            write_results(study, sweep, study_dir, storage_spec, target)  # current while the study runs
             failures = failures + 1 if state == "failed" else 0
             if failures >= cfg.max_failures:
                 print(f"error: {failures} trials in a row failed; see their trial.log (this worker stops)", file=sys.stderr, flush=True)
@@ -429,6 +435,10 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
     results = write_results(study, sweep, study_dir, storage_spec, target)
     print(format_table(results, sweep), flush=True)
     print(f"results: {study_dir / RESULTS_FILE}", flush=True)
+    if not results["final"]:
+        running = [t["number"] for t in results["trials"] if t["state"] == "running"]
+        print(f"{len(running)} trial(s) still running in other workers ({', '.join(map(str, running))}): these results "
+              "are not final; the worker that finishes last rewrites them", flush=True)
     if failures >= cfg.max_failures:
         raise SystemExit(1)
     return results
@@ -450,8 +460,41 @@ def trial_record(trial) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on `lock_path` (flock) among this machine's workers."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: each write is still whole, only their order is not kept
+        yield
+        return
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def write_results(study, sweep: Sweep, study_dir: Path, storage_spec: str, target: int) -> dict:
-    """The study as JSON: every trial, counts by state, and the best trial (complete trials only)."""
+    """Write the study as JSON, read from the storage now; returns it.
+
+    Every trial, counts by state, the best trial (complete trials only), and `final`: no trial was
+    running, so every trial has its result. Workers sharing the study take turns (a lock file), and
+    each reads the storage only once it has its turn, so the last write holds the latest state:
+    whichever worker finishes last leaves the final file.
+    """
+    study_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(study_dir / ".results.lock"):
+        results = collect_results(study, sweep, storage_spec, target)
+        path = study_dir / RESULTS_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        os.replace(tmp, path)
+    return results
+
+
+def collect_results(study, sweep: Sweep, storage_spec: str, target: int) -> dict:
     optuna = _optuna()
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -462,23 +505,18 @@ def write_results(study, sweep: Sweep, study_dir: Path, storage_spec: str, targe
     counts: dict[str, int] = {}
     for t in trials:
         counts[t.state.name.lower()] = counts.get(t.state.name.lower(), 0) + 1
-    results = {
+    return {
         "study_name": study.study_name,
         "storage": hide_password(storage_spec),
         "sweep": str(sweep.path),
         "metric": sweep.metric,
         "goal": sweep.goal,
         "n_trials": target,
+        "final": "running" not in counts,
         "counts": counts,
         "best": best,
         "trials": [trial_record(t) for t in trials],
     }
-    study_dir.mkdir(parents=True, exist_ok=True)
-    path = study_dir / RESULTS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several workers may write at once
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, path)
-    return results
 
 
 def format_table(results: dict, sweep: Sweep) -> str:

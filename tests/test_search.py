@@ -436,6 +436,71 @@ def test_two_workers_share_a_journal_without_running_a_trial_twice(tmp_path):
     check_shared_study(JournalStorage(JournalFileBackend(str(out / "fake" / "journal.log"))), "fake", ledger, 8, 2)
 
 
+def test_the_worker_that_finishes_last_leaves_the_final_results(tmp_path):
+    """A worker that ends while another's trial runs says so; the other, ending last, writes the final results.json."""
+    go = tmp_path / "go"
+    sweep = write_sweep(tmp_path)
+    out = tmp_path / "out"
+    slow = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+                     "--", "--evals=1", f"--wait_for={go}")
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "fake" / "trial_0000" / "metrics.jsonl").is_file():
+            assert time.monotonic() < deadline and slow.poll() is None, slow.stdout.read()
+            time.sleep(0.1)
+        fast = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2", "--seed", "1",
+                   "--", "--evals=1")
+        assert fast.returncode == 0, fast.stdout + fast.stderr
+        assert "1 trial(s) still running in other workers (0): these results are not final" in fast.stdout, fast.stdout
+        results = load_results(out, "fake")
+        assert results["final"] is False and results["counts"] == {"running": 1, "complete": 1}
+    finally:
+        go.touch()
+    stdout, _ = slow.communicate(timeout=60)
+    assert slow.returncode == 0, stdout
+    assert "still running" not in stdout
+    results = load_results(out, "fake")
+    assert results["final"] is True and results["counts"] == {"complete": 2}
+    assert [t["state"] for t in results["trials"]] == ["complete", "complete"]
+
+
+def test_results_writers_take_turns_so_the_last_write_holds_the_latest_state(tmp_path, monkeypatch):
+    """Worker A reads the storage, then is slow to write; meanwhile B's trial ends and B writes. A must not go last."""
+    import threading
+
+    sweep = load_sweep(write_sweep(tmp_path))
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), study_name="race", direction="maximize")
+    done_trial = study.ask()
+    study.tell(done_trial, 0.5)
+    running = study.ask()
+    a_has_read, b_wrote = threading.Event(), threading.Event()
+    record = search_module.trial_record
+
+    def slow_record(trial):  # called once A has read the trials
+        if threading.current_thread().name == "A":
+            a_has_read.set()
+            b_wrote.wait(timeout=2)  # without turns B writes meanwhile; with them it waits, and this times out
+        return record(trial)
+
+    monkeypatch.setattr(search_module, "trial_record", slow_record)
+    worker_a = threading.Thread(name="A", target=search_module.write_results, args=(study, sweep, tmp_path, "mem", 2))
+    worker_a.start()
+    assert a_has_read.wait(timeout=10)
+    study.tell(running, 0.7)  # B's trial ends
+
+    def worker_b():
+        search_module.write_results(study, sweep, tmp_path, "mem", 2)
+        b_wrote.set()
+
+    thread_b = threading.Thread(name="B", target=worker_b)
+    thread_b.start()
+    worker_a.join(timeout=30)
+    thread_b.join(timeout=30)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [t["state"] for t in results["trials"]] == ["complete", "complete"]
+    assert results["final"] is True and results["best"]["number"] == running.number
+
+
 def test_grid_search_runs_each_point_once_and_stops(tmp_path):
     ledger = tmp_path / "ledger"
     sweep = write_sweep(tmp_path, method="grid", parameters={"learning_rate": {"values": [0.2, 0.4, 0.6]},
