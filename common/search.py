@@ -33,7 +33,9 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
   end, atomically and by one worker of the machine at a time (a lock file beside it), so the worker
   that finishes last leaves the final one ("final": true, no trial running). A worker that ends
   while others still run says so.
-- At the end: a table of the trials and the best parameters, also in <output_dir>/<study>/results.json.
+- At the end: a table of the trials and the best trial's options as it ran them (its parameters,
+  those replaced by options of the same name after `--`, then the options after `--`); results.json
+  holds them too, as effective_args, and each trial's whole command as argv.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -51,7 +54,15 @@ from pathlib import Path
 
 from common.config import parse_config
 from common.errors import UsageError, report_usage_errors
-from common.sweep import Sweep, build_command, check_command_files, load_sweep
+from common.sweep import (
+    Sweep,
+    build_command,
+    check_command_files,
+    effective_args,
+    effective_values,
+    load_sweep,
+    overridden_args,
+)
 from common.trial import run_trial, trial_env
 
 SAMPLERS = ("auto", "tpe", "random", "grid")
@@ -317,9 +328,10 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
     trial.set_user_attr("args", values)
     trial.set_user_attr("extra_args", list(extra))
     trial.set_user_attr("output_dir", str(out))
+    trial.set_user_attr("argv", argv)
     trial.set_user_attr("worker", {"host": host, "pid": os.getpid()})
     trial.set_user_attr("heartbeat", time.time())
-    print(f"trial {trial.number}: {short(values, sweep)} -> {out}", flush=True)
+    print(f"trial {trial.number}: {short(effective_values(values, extra), sweep)} -> {out}", flush=True)
 
     last_beat = [time.monotonic()]
     reported = [0]
@@ -454,6 +466,9 @@ def trial_record(trial) -> dict:
         "last_eval": trial.intermediate_values[max(trial.intermediate_values)] if trial.intermediate_values else None,
         "args": trial.user_attrs.get("args", {}),
         "extra_args": trial.user_attrs.get("extra_args", []),
+        # what ran: the parameters, each replaced by an option of the same name after `--`, then those options
+        "effective_args": effective_args(trial.user_attrs.get("args", {}), trial.user_attrs.get("extra_args", [])),
+        "argv": trial.user_attrs.get("argv"),
         "output_dir": trial.user_attrs.get("output_dir"),
         "duration_s": trial.user_attrs.get("duration_s"),
         "error": trial.user_attrs.get("error"),
@@ -526,7 +541,7 @@ def format_table(results: dict, sweep: Sweep) -> str:
         rows.append((
             str(t["number"]), t["state"], "" if value is None else f"{value:.6g}", str(t["evals"]),
             "" if t["duration_s"] is None else f"{t['duration_s']:.0f}s",
-            short(t["args"], sweep) + (f"  [{t['error']}]" if t["error"] else ""),
+            short(effective_values(t["args"], t["extra_args"]), sweep) + (f"  [{t['error']}]" if t["error"] else ""),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
@@ -536,9 +551,10 @@ def format_table(results: dict, sweep: Sweep) -> str:
     if best:
         lines.append(f"best: trial {best['number']}, {results['metric']} = {best['value']:.6g} ({results['goal']}), "
                      f"output {best['output_dir']}")
-        lines.append("best parameters: " + " ".join(f"--{k}={v}" for k, v in best["params"].items()))
-        if best["extra_args"]:
-            lines.append("with the options given after --: " + " ".join(best["extra_args"]))
+        lines.append("best parameters: " + shlex.join(best["effective_args"]))  # as it ran, options after -- included
+        replaced = overridden_args(best["params"], best["extra_args"])
+        if replaced:
+            lines.append(f"(the options after -- replaced the sweep's {shlex.join(replaced)})")
     else:
         lines.append("no complete trial yet")
     return "\n".join(lines)

@@ -311,6 +311,38 @@ def test_metric_the_trial_never_logs_is_a_usage_error(tmp_path):
     assert "trial 0 finished without logging metric 'val/accuracy'" in line and "val/acc" in line
 
 
+def test_best_parameters_are_printed_and_stored_as_they_ran(tmp_path):
+    """`--evals=2` after `--` replaces the sweep's evals (sampled 5 or 6): 2 ran, and 2 is what is shown and stored."""
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "evals": {"values": [5, 6]}})
+    out = tmp_path / "out"
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+               "--", "--evals=2", "--note", "two words")  # fake_trial ignores --note
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = load_results(out, "fake")
+    best = results["best"]
+    assert best["evals"] == 2 and best["args"]["evals"] in (5, 6)  # what ran; what was sampled
+    learning_rate = best["args"]["learning_rate"]
+    assert best["effective_args"] == [f"--learning_rate={learning_rate}", "--evals=2", "--note", "two words"]
+    assert best["argv"][-4:] == ["--evals=2", "--note", "two words", f"--output_dir={best['output_dir']}"]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("best parameters: "))
+    assert line == f"best parameters: --learning_rate={best['args']['learning_rate']} --evals=2 --note 'two words'"
+    assert f"(the options after -- replaced the sweep's --evals={best['args']['evals']})" in done.stdout
+    shown = done.stdout.replace(f"replaced the sweep's --evals={best['args']['evals']}", "")
+    assert "evals=5" not in shown and "evals=6" not in shown, done.stdout  # nor in the trial lines or the table
+    assert "trial 0: learning_rate=" in done.stdout and " evals=2 -> " in done.stdout
+
+
+def test_seeds_print_and_store_the_options_as_they_ran(tmp_path):
+    sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 5}})
+    ran = cli("common.seeds", "--sweep", str(sweep), "--seeds", "0", "--output_dir", str(tmp_path / "s"),
+              "--", "--evals=2")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "1 seeds of the sweep's constants: --score=0.5 --evals=2\n" in ran.stdout, ran.stdout
+    assert "--evals=5" not in ran.stdout
+    report = json.loads((tmp_path / "s" / "fake" / "seeds.json").read_text())
+    assert report["effective_args"] == ["--score=0.5", "--evals=2"] and report["seeds"][0]["evals"] == 2
+
+
 # ------------------------------------------------------------------------------- end to end (real)
 @pytest.fixture(scope="module")
 def image_search(tmp_path_factory):
