@@ -33,6 +33,7 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
   end, atomically and by one worker of the machine at a time (a lock file beside it), so the worker
   that finishes last leaves the final one ("final": true, no trial running). A worker that ends
   while others still run says so.
+- An option the runner does not know is refused with a hint: options for the trials go after `--`.
 - At the end: a table of the trials and the best trial's options as it ran them (its parameters,
   those replaced by options of the same name after `--`, then the options after `--`); results.json
   holds them too, as effective_args, and each trial's whole command as argv.
@@ -41,6 +42,7 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -52,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import parse_config
+from common.config import ConfigError, parse_config
 from common.errors import UsageError, report_usage_errors
 from common.sweep import (
     Sweep,
@@ -62,6 +64,7 @@ from common.sweep import (
     effective_values,
     load_sweep,
     overridden_args,
+    parse_options,
 )
 from common.trial import run_trial, trial_env
 
@@ -112,6 +115,26 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
         at = argv.index("--")
         return argv[:at], argv[at + 1:]
     return argv, []
+
+
+def parse_runner_config(config_cls, own: list[str], usage: str):
+    """parse_config, with a hint on an unknown option: it may be one for the trials, which go after `--`.
+
+    `usage` is how the runner starts, e.g. "python -m common.search --sweep ...".
+    """
+    try:
+        return parse_config(config_cls, own)
+    except ConfigError as error:
+        message = str(error)
+        if not message.startswith("unknown option --"):
+            raise
+        known = {f.name for f in dataclasses.fields(config_cls)} | {"config"}
+        moved = [shlex.join([written[0] if len(written) == 1 else f"{written[0]}={written[1]}"])
+                 for name, _, written in parse_options(own) if name not in known]
+        hint = f"options for the trials go after --: {usage} -- {' '.join(moved)}"
+        # After parse_config's "(did you mean --x?)", kept as it is: a typo, or an option for the trials.
+        message = f"{message}; {hint}" if message.endswith("?)") else f"{message} ({hint})"
+        raise ConfigError(message) from None
 
 
 # ------------------------------------------------------------------------------------- optuna
@@ -564,7 +587,7 @@ def format_table(results: dict, sweep: Sweep) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_config(SearchConfig, own)
+    cfg = parse_runner_config(SearchConfig, own, "python -m common.search --sweep ...")
     return search(cfg, extra)
 
 

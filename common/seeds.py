@@ -27,9 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import parse_config
 from common.errors import UsageError, report_usage_errors
-from common.search import split_passthrough
+from common.search import parse_runner_config, split_passthrough
 from common.sweep import build_command, check_command_files, effective_args, load_sweep
 from common.trial import run_trial, trial_env
 
@@ -180,7 +179,7 @@ def format_report(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_config(SeedsConfig, own)
+    cfg = parse_runner_config(SeedsConfig, own, "python -m common.seeds ...")
     return run_seeds(cfg, extra)
 
 

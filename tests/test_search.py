@@ -153,6 +153,26 @@ def test_bad_runner_options_are_one_error_line_and_exit_2(tmp_path, capsys, modu
     assert expected in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("module, args, expected", [
+    (search_module, ["--epochs", "9"], ("error: unknown option --epochs (options for the trials go after --: "
+                                        "python -m common.search --sweep ... -- --epochs=9)")),
+    (search_module, ["--epochs=9", "--tracker", "none", "--n_trials", "2"],
+     ("error: unknown option --epochs (options for the trials go after --: "
+      "python -m common.search --sweep ... -- --epochs=9 --tracker=none)")),
+    (search_module, ["--n_trial", "3"], ("error: unknown option --n_trial (did you mean --n_trials?); options for the "
+                                         "trials go after --: python -m common.search --sweep ... -- --n_trial=3")),
+    (seeds_module, ["--epochs", "9"], ("error: unknown option --epochs (options for the trials go after --: "
+                                       "python -m common.seeds ... -- --epochs=9)")),
+])
+def test_an_option_for_the_trials_before_the_separator_is_refused_with_the_separator_shown(tmp_path, capsys, module,
+                                                                                             args, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--sweep", str(write_sweep(tmp_path)), "--output_dir", str(tmp_path / "out"), *args])
+    assert exit_info.value.code == 2
+    assert one_error_line(capsys.readouterr().err) == expected
+    assert not (tmp_path / "out").exists()
+
+
 def test_trial_runner_reads_the_file_the_tracker_writes():
     from common import tracking, trial
 
