@@ -14,6 +14,10 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
 - Pruner: hyperband when the file has `early_terminate` (min_iter, eta; or max_iter and s), else
   median. Optuna's step is the evaluation's number (1, 2, ...), the unit W&B's hyperband counts
   in, so min_iter means the same to both and trials with different batch sizes compare.
+  A trial that reported its final evaluation is complete, never pruned: the runner does not ask
+  the pruner once a trial has made as many evaluations as a full trial (the most of --max_resource,
+  the file's max_iter and any complete trial's count), and a trial whose process ended by itself
+  while the pruner was asked is complete with its last value.
 - Storage: a journal file, <output_dir>/<study>/journal.log by default; run the same command in
   more terminals for parallel workers. `--storage postgresql://user:pass@host/db` (or any
   SQLAlchemy URL) for workers on several machines.
@@ -25,14 +29,24 @@ trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/tri
 - A trial left RUNNING by a worker that died (killed, machine lost) is marked failed by the next
   worker that looks: at once when its process is gone on this machine, otherwise once its
   heartbeat is older than --stale_after_s.
-- At the end: a table of the trials and the best parameters, also in <output_dir>/<study>/results.json.
+- <output_dir>/<study>/results.json is rewritten from the storage after every trial and at the
+  end, atomically and by one worker of the machine at a time (a lock file beside it), so the worker
+  that finishes last leaves the final one ("final": true, no trial running). A worker that ends
+  while others still run says so.
+- An option the runner does not know is refused with a hint: options for the trials go after `--`.
+- At the end: a table of the trials and the best trial's options as it ran them (its parameters,
+  those replaced by options of the same name after `--`, then the options after `--`); results.json
+  holds them too, as effective_args, and each trial's whole command as argv.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -40,9 +54,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import parse_config
+from common.config import ConfigError, parse_config
 from common.errors import UsageError, report_usage_errors
-from common.sweep import Sweep, build_command, check_command_files, load_sweep
+from common.sweep import (
+    Sweep,
+    build_command,
+    check_command_files,
+    effective_args,
+    effective_values,
+    load_sweep,
+    overridden_args,
+    parse_options,
+)
 from common.trial import run_trial, trial_env
 
 SAMPLERS = ("auto", "tpe", "random", "grid")
@@ -92,6 +115,26 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
         at = argv.index("--")
         return argv[:at], argv[at + 1:]
     return argv, []
+
+
+def parse_runner_config(config_cls, own: list[str], usage: str):
+    """parse_config, with a hint on an unknown option: it may be one for the trials, which go after `--`.
+
+    `usage` is how the runner starts, e.g. "python -m common.search --sweep ...".
+    """
+    try:
+        return parse_config(config_cls, own)
+    except ConfigError as error:
+        message = str(error)
+        if not message.startswith("unknown option --"):
+            raise
+        known = {f.name for f in dataclasses.fields(config_cls)} | {"config"}
+        moved = [shlex.join([written[0] if len(written) == 1 else f"{written[0]}={written[1]}"])
+                 for name, _, written in parse_options(own) if name not in known]
+        hint = f"options for the trials go after --: {usage} -- {' '.join(moved)}"
+        # After parse_config's "(did you mean --x?)", kept as it is: a typo, or an option for the trials.
+        message = f"{message}; {hint}" if message.endswith("?)") else f"{message} ({hint})"
+        raise ConfigError(message) from None
 
 
 # ------------------------------------------------------------------------------------- optuna
@@ -285,6 +328,18 @@ def short(values: dict, sweep: Sweep) -> str:
     return " ".join(parts)
 
 
+def full_trial_evals(study, cfg: SearchConfig, sweep: Sweep) -> int:
+    """How many evaluations a full trial makes, as far as the study knows; 0 while unknown.
+
+    The most of: --max_resource and the sweep's early_terminate.max_iter (both declare it), and the
+    evaluations of every complete trial in the storage (how Optuna's hyperband learns it).
+    """
+    optuna = _optuna()
+    declared = cfg.max_resource or int((sweep.early_terminate or {}).get("max_iter") or 0)
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return max([declared, *(t.last_step for t in complete if t.last_step is not None)])
+
+
 def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir: Path, host: str) -> str:
     """Ask for a trial, run it, tell the study. Returns the trial's final state name."""
     optuna = _optuna()
@@ -296,15 +351,26 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
     trial.set_user_attr("args", values)
     trial.set_user_attr("extra_args", list(extra))
     trial.set_user_attr("output_dir", str(out))
+    trial.set_user_attr("argv", argv)
     trial.set_user_attr("worker", {"host": host, "pid": os.getpid()})
     trial.set_user_attr("heartbeat", time.time())
-    print(f"trial {trial.number}: {short(values, sweep)} -> {out}", flush=True)
+    print(f"trial {trial.number}: {short(effective_values(values, extra), sweep)} -> {out}", flush=True)
 
     last_beat = [time.monotonic()]
+    reported = [0]
 
     def report(index: int, step: int, value: float) -> None:
         trial.report(value, index)
+        reported[0] = index
         print(f"trial {trial.number}: evaluation {index} (step {step}): {sweep.metric} = {value:.6g}", flush=True)
+
+    def should_prune() -> bool:
+        # A trial that reported a full trial's last evaluation has done its work: it is complete, never pruned.
+        # (Optuna's pruners would stop it there: hyperband at a rung that equals the full length, median at any step.)
+        full = full_trial_evals(study, cfg, sweep)
+        if full and reported[0] >= full:
+            return False
+        return trial.should_prune()
 
     def tick() -> None:
         if time.monotonic() - last_beat[0] >= cfg.heartbeat_s:
@@ -312,7 +378,7 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
             last_beat[0] = time.monotonic()
 
     try:
-        result = run_trial(argv, out, sweep.metric, report=report, should_stop=trial.should_prune, tick=tick,
+        result = run_trial(argv, out, sweep.metric, report=report, should_stop=should_prune, tick=tick,
                            env=trial_env(), timeout_s=cfg.trial_timeout_s, grace_s=cfg.grace_s)
     except (KeyboardInterrupt, Interrupted):
         trial.set_user_attr("error", "interrupted: its worker was stopped")
@@ -389,6 +455,7 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
             if done + running >= target:
                 break
             state = run_one(study, sweep, cfg, extra, study_dir, host)
+            write_results(study, sweep, study_dir, storage_spec, target)  # current while the study runs
             failures = failures + 1 if state == "failed" else 0
             if failures >= cfg.max_failures:
                 print(f"error: {failures} trials in a row failed; see their trial.log (this worker stops)", file=sys.stderr, flush=True)
@@ -403,6 +470,10 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
     results = write_results(study, sweep, study_dir, storage_spec, target)
     print(format_table(results, sweep), flush=True)
     print(f"results: {study_dir / RESULTS_FILE}", flush=True)
+    if not results["final"]:
+        running = [t["number"] for t in results["trials"] if t["state"] == "running"]
+        print(f"{len(running)} trial(s) still running in other workers ({', '.join(map(str, running))}): these results "
+              "are not final; the worker that finishes last rewrites them", flush=True)
     if failures >= cfg.max_failures:
         raise SystemExit(1)
     return results
@@ -418,14 +489,50 @@ def trial_record(trial) -> dict:
         "last_eval": trial.intermediate_values[max(trial.intermediate_values)] if trial.intermediate_values else None,
         "args": trial.user_attrs.get("args", {}),
         "extra_args": trial.user_attrs.get("extra_args", []),
+        # what ran: the parameters, each replaced by an option of the same name after `--`, then those options
+        "effective_args": effective_args(trial.user_attrs.get("args", {}), trial.user_attrs.get("extra_args", [])),
+        "argv": trial.user_attrs.get("argv"),
         "output_dir": trial.user_attrs.get("output_dir"),
         "duration_s": trial.user_attrs.get("duration_s"),
         "error": trial.user_attrs.get("error"),
     }
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on `lock_path` (flock) among this machine's workers."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: each write is still whole, only their order is not kept
+        yield
+        return
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def write_results(study, sweep: Sweep, study_dir: Path, storage_spec: str, target: int) -> dict:
-    """The study as JSON: every trial, counts by state, and the best trial (complete trials only)."""
+    """Write the study as JSON, read from the storage now; returns it.
+
+    Every trial, counts by state, the best trial (complete trials only), and `final`: no trial was
+    running, so every trial has its result. Workers sharing the study take turns (a lock file), and
+    each reads the storage only once it has its turn, so the last write holds the latest state:
+    whichever worker finishes last leaves the final file.
+    """
+    study_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(study_dir / ".results.lock"):
+        results = collect_results(study, sweep, storage_spec, target)
+        path = study_dir / RESULTS_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        os.replace(tmp, path)
+    return results
+
+
+def collect_results(study, sweep: Sweep, storage_spec: str, target: int) -> dict:
     optuna = _optuna()
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -436,23 +543,18 @@ def write_results(study, sweep: Sweep, study_dir: Path, storage_spec: str, targe
     counts: dict[str, int] = {}
     for t in trials:
         counts[t.state.name.lower()] = counts.get(t.state.name.lower(), 0) + 1
-    results = {
+    return {
         "study_name": study.study_name,
         "storage": hide_password(storage_spec),
         "sweep": str(sweep.path),
         "metric": sweep.metric,
         "goal": sweep.goal,
         "n_trials": target,
+        "final": "running" not in counts,
         "counts": counts,
         "best": best,
         "trials": [trial_record(t) for t in trials],
     }
-    study_dir.mkdir(parents=True, exist_ok=True)
-    path = study_dir / RESULTS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several workers may write at once
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, path)
-    return results
 
 
 def format_table(results: dict, sweep: Sweep) -> str:
@@ -462,7 +564,7 @@ def format_table(results: dict, sweep: Sweep) -> str:
         rows.append((
             str(t["number"]), t["state"], "" if value is None else f"{value:.6g}", str(t["evals"]),
             "" if t["duration_s"] is None else f"{t['duration_s']:.0f}s",
-            short(t["args"], sweep) + (f"  [{t['error']}]" if t["error"] else ""),
+            short(effective_values(t["args"], t["extra_args"]), sweep) + (f"  [{t['error']}]" if t["error"] else ""),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
@@ -472,9 +574,10 @@ def format_table(results: dict, sweep: Sweep) -> str:
     if best:
         lines.append(f"best: trial {best['number']}, {results['metric']} = {best['value']:.6g} ({results['goal']}), "
                      f"output {best['output_dir']}")
-        lines.append("best parameters: " + " ".join(f"--{k}={v}" for k, v in best["params"].items()))
-        if best["extra_args"]:
-            lines.append("with the options given after --: " + " ".join(best["extra_args"]))
+        lines.append("best parameters: " + shlex.join(best["effective_args"]))  # as it ran, options after -- included
+        replaced = overridden_args(best["params"], best["extra_args"])
+        if replaced:
+            lines.append(f"(the options after -- replaced the sweep's {shlex.join(replaced)})")
     else:
         lines.append("no complete trial yet")
     return "\n".join(lines)
@@ -484,7 +587,7 @@ def format_table(results: dict, sweep: Sweep) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_config(SearchConfig, own)
+    cfg = parse_runner_config(SearchConfig, own, "python -m common.search --sweep ...")
     return search(cfg, extra)
 
 

@@ -11,7 +11,8 @@ and win (e.g. `-- --epochs=100` for longer runs than the search's). Each seed
 runs the sweep's command once, one after the other, with `--seed=<seed>` and its own `--output_dir`
 <output_dir>/<name>/seed_<seed>. A seed's value is the metric's last logged value (what the search
 optimizes too). The report, printed and saved to <output_dir>/<name>/seeds.json, lists every seed's
-value, their mean, and their sample standard deviation (ddof=1; null with fewer than two seeds).
+value, their mean, and their sample standard deviation (ddof=1; null with fewer than two seeds),
+and the options the seeds ran with (`effective_args`: each parameter once, as the options after `--` left it).
 Exit code 1 when a seed failed (its error is listed; the statistics use the seeds that completed).
 """
 
@@ -20,15 +21,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import parse_config
 from common.errors import UsageError, report_usage_errors
-from common.search import split_passthrough
-from common.sweep import build_command, check_command_files, load_sweep
+from common.search import parse_runner_config, split_passthrough
+from common.sweep import build_command, check_command_files, effective_args, load_sweep
 from common.trial import run_trial, trial_env
 
 REPORT_FILE = "seeds.json"
@@ -110,7 +111,8 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
     taken = [s for s in cfg.seeds if (base / f"seed_{s}").exists()]
     if taken:
         raise UsageError(f"{base} already holds runs for seed(s) {', '.join(map(str, taken))}; choose another --output_dir or --name")
-    print(f"{len(cfg.seeds)} seeds of {source}: " + " ".join(f"--{k}={v}" for k, v in params.items()) + " " + " ".join(extra), flush=True)
+    ran = effective_args(params, extra)  # what each seed runs (but for --seed): an option after -- replaces a parameter
+    print(f"{len(cfg.seeds)} seeds of {source}: {shlex.join(ran)}", flush=True)
 
     runs = []
     for seed in cfg.seeds:
@@ -143,6 +145,7 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
         "source": source,
         "params": params,
         "extra_args": list(extra),
+        "effective_args": ran,
         "seeds": runs,
         **summarize(values),
     }
@@ -176,7 +179,7 @@ def format_report(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_config(SeedsConfig, own)
+    cfg = parse_runner_config(SeedsConfig, own, "python -m common.seeds ...")
     return run_seeds(cfg, extra)
 
 

@@ -320,6 +320,55 @@ def build_command(sweep: Sweep, values: dict[str, Any], extra: list[str] = (), o
     return add_launch_port(argv)
 
 
+def parse_options(words: list[str]) -> list[tuple[str, Any, list[str]]]:
+    """Split `--name=value`, `--name value` and bare `--flag` words as the templates' parse_config reads them.
+
+    Returns (field name, value, the words as written) per option; the name has `-` spelled `_`,
+    the value is the text given, or True for a bare flag. A word that is no option's value is
+    skipped (the template refuses it anyway).
+    """
+    options, i = [], 0
+    while i < len(words):
+        token = words[i]
+        i += 1
+        if not token.startswith("--") or token == "--":
+            continue
+        key, has_value, value = token[2:].partition("=")
+        written = [token]
+        if not has_value:
+            if i < len(words) and not words[i].startswith("--"):
+                value, written = words[i], [token, words[i]]
+                i += 1
+            else:
+                value = True
+        options.append((key.replace("-", "_"), value, written))
+    return options
+
+
+def effective_values(values: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
+    """The parameters as a trial got them: a sampled (or constant) value that an option after `--`
+    overrides is that option's value (its text, or True for a bare flag)."""
+    given = {name: value for name, value, _ in parse_options(list(extra))}  # the last one wins, as in parse_config
+    return {name: given.get(name.replace("-", "_"), value) for name, value in values.items()}
+
+
+def effective_args(values: dict[str, Any], extra: list[str] = ()) -> list[str]:
+    """The options a trial ran with, each once: `--name=value` for every parameter that no option
+    after `--` overrides, then the options after `--` as written (they come last, so they won;
+    of one given twice, the last; `--config` files all, as they all apply)."""
+    options = parse_options(list(extra))
+    last = {name: i for i, (name, _, _) in enumerate(options)}
+    kept = [word for i, (name, _, written) in enumerate(options) if name == "config" or last[name] == i
+            for word in written]
+    return [f"--{name}={value}" for name, value in values.items() if name.replace("-", "_") not in last] + kept
+
+
+def overridden_args(values: dict[str, Any], extra: list[str] = ()) -> list[str]:
+    """`--name=value` of each parameter an option after `--` replaced (what did not run)."""
+    given = {name for name, _, _ in parse_options(list(extra))}
+    return [f"--{name}={value}" for name, value in values.items() if name.replace("-", "_") in given]
+
+
 def check_command_files(sweep: Sweep, cwd: str | os.PathLike | None = None) -> None:
     """Refuse a sweep whose command names an accelerate config file, or a program, that does not exist.
 

@@ -119,8 +119,10 @@ def run_trial(
 
     `report(index, step, value)` is called for each evaluation as it appears (index counts from 1);
     `should_stop()` is asked after new reports while the job runs; `tick()` is called every poll
-    (for heartbeats). Output goes to `<output_dir>/trial.log`. The whole process group is gone
-    when this returns, also when it is interrupted (KeyboardInterrupt) or raises.
+    (for heartbeats). A job that has ended on its own by the time `should_stop()` answers yes is
+    not stopped: it ran to its end, and its exit code decides its state as usual. Output goes to
+    `<output_dir>/trial.log`. The whole process group is gone when this returns, also when it is
+    interrupted (KeyboardInterrupt) or raises.
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     tail = MetricsTail(output_dir / METRICS_FILE, metric)
@@ -147,8 +149,10 @@ def run_trial(
                 if returncode is not None:
                     break
                 if new and should_stop():
-                    stopping = True
-                    break
+                    if proc.poll() is None:
+                        stopping = True
+                        break
+                    continue  # it ended on its own while the answer came: read its end, do not stop it
                 if timeout_s and time.monotonic() - started > timeout_s:
                     result.error = f"timed out after {timeout_s:g} s"
                     break

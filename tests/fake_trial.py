@@ -4,6 +4,9 @@ Takes `--name=value` options (unknown ones are ignored, like sweep parameters it
     --output_dir   where metrics.jsonl goes (required)
     --score        the value the metric climbs to (default: --learning_rate, else 0.5); --seed adds seed/100
     --evals        evaluations to log (default 3), --sleep seconds between them (default 0.05)
+    --values       the metric's value at each evaluation, comma-separated (instead of --score and --evals)
+    --linger       seconds to go on after the last evaluation (a stand-in for the final save), then exit 0
+    --wait_for     after the last evaluation, wait until this file exists (at most 120 s), then exit 0
     --metric       the metric's name (default val/accuracy)
     --ledger       append "<output_dir>\n" to this file at start (to count how often a trial ran)
     --child        also start a child process that sleeps (a stand-in for a rank)
@@ -52,12 +55,16 @@ if opts.get("child") in ("True", "true", "1"):
 
 score = float(opts.get("score") or opts.get("learning_rate") or 0.5) + int(opts.get("seed") or 0) / 100
 evals, pause = int(opts.get("evals", 3)), float(opts.get("sleep", 0.05))
+values = [float(v) for v in opts["values"].split(",")] if opts.get("values") else None
+if values:
+    evals = len(values)
 metric = opts.get("metric", "val/accuracy")
 for i in range(1, evals + 1):
     time.sleep(pause)
+    value = values[i - 1] if values else score * i / evals
     with open(os.path.join(out, "metrics.jsonl"), "a") as handle:
         handle.write(json.dumps({"step": 10 * i, "train/loss": 1.0 / i}) + "\n")
-        handle.write(json.dumps({"step": 10 * i, metric: score * i / evals, "epoch": i}) + "\n")
+        handle.write(json.dumps({"step": 10 * i, metric: value, "epoch": i}) + "\n")
     if i == 1 and opts.get("fail"):
         print(f"error: {opts['fail']}", file=sys.stderr)
         launcher_trailer(2)
@@ -67,4 +74,9 @@ for i in range(1, evals + 1):
         except RuntimeError:
             traceback.print_exc()
         launcher_trailer(1)
+time.sleep(float(opts.get("linger") or 0))
+if opts.get("wait_for"):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(opts["wait_for"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 print("done")

@@ -153,6 +153,26 @@ def test_bad_runner_options_are_one_error_line_and_exit_2(tmp_path, capsys, modu
     assert expected in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("module, args, expected", [
+    (search_module, ["--epochs", "9"], ("error: unknown option --epochs (options for the trials go after --: "
+                                        "python -m common.search --sweep ... -- --epochs=9)")),
+    (search_module, ["--epochs=9", "--tracker", "none", "--n_trials", "2"],
+     ("error: unknown option --epochs (options for the trials go after --: "
+      "python -m common.search --sweep ... -- --epochs=9 --tracker=none)")),
+    (search_module, ["--n_trial", "3"], ("error: unknown option --n_trial (did you mean --n_trials?); options for the "
+                                         "trials go after --: python -m common.search --sweep ... -- --n_trial=3")),
+    (seeds_module, ["--epochs", "9"], ("error: unknown option --epochs (options for the trials go after --: "
+                                       "python -m common.seeds ... -- --epochs=9)")),
+])
+def test_an_option_for_the_trials_before_the_separator_is_refused_with_the_separator_shown(tmp_path, capsys, module,
+                                                                                             args, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--sweep", str(write_sweep(tmp_path)), "--output_dir", str(tmp_path / "out"), *args])
+    assert exit_info.value.code == 2
+    assert one_error_line(capsys.readouterr().err) == expected
+    assert not (tmp_path / "out").exists()
+
+
 def test_trial_runner_reads_the_file_the_tracker_writes():
     from common import tracking, trial
 
@@ -236,6 +256,62 @@ def test_failed_trial_reports_its_last_error_line(tmp_path):
     assert result.state == "failed" and result.missing_metric and "val/acc" in result.logged_keys
 
 
+def test_a_job_that_ended_by_itself_while_its_stop_was_decided_is_complete(tmp_path):
+    """The job logs its last evaluation, goes on briefly (its final save) and exits 0 while the pruner answers."""
+    out = tmp_path / "trial"
+    argv = [sys.executable, str(FAKE), f"--output_dir={out}", "--values=0.9,0.8,0.7", "--sleep=0.05", "--linger=0.5"]
+    reports = []
+
+    def should_stop():
+        if len(reports) < 3:
+            return False
+        time.sleep(2.0)  # the job, lingering 0.5 s after its last evaluation, has exited by now
+        return True
+
+    result = run_trial(argv, out, "val/accuracy", report=lambda i, step, v: reports.append(v), should_stop=should_stop,
+                       poll_s=0.05)
+    assert reports == [0.9, 0.8, 0.7]
+    assert (result.state, result.returncode, result.value, result.error) == ("complete", 0, 0.7, None)
+
+
+def seed_study(out: Path, study_name: str, *values: float) -> None:
+    """A study in the runner's default journal holding one complete trial with these evaluations."""
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    (out / study_name).mkdir(parents=True)
+    storage = JournalStorage(JournalFileBackend(str(out / study_name / "journal.log")))
+    study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize")
+    study.add_trial(optuna.trial.create_trial(
+        params={"learning_rate": 0.5},
+        distributions={"learning_rate": optuna.distributions.FloatDistribution(0.1, 0.9)},
+        value=values[-1], intermediate_values=dict(enumerate(values, start=1))))
+
+
+def test_a_trial_that_reported_its_final_evaluation_is_complete_not_pruned(tmp_path):
+    """Median pruning at every evaluation, a complete trial of 3: the new trial's 3rd is its last, so no pruning there.
+
+    It stays running after the last evaluation (a final save), as a template does, so the pruner is asked while
+    it runs; its best, 0.5, is below the median 0.9 at evaluation 3, where Optuna alone would prune it.
+    """
+    out = tmp_path / "out"
+    seed_study(out, "fake", 0.1, 0.2, 0.9)
+    sweep = write_sweep(tmp_path)
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+               "--pruner", "median", "--median_startup_trials", "1", "--min_evals", "1",
+               "--", "--values=0.3,0.4,0.5", "--sleep=0.05", "--linger=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trial 1: evaluation 3 (step 30): val/accuracy = 0.5" in done.stdout, done.stdout
+    trial = load_results(out, "fake")["trials"][1]
+    assert (trial["state"], trial["value"], trial["evals"]) == ("complete", 0.5, 3), done.stdout
+    # A trial below the median before its last evaluation is still pruned (its best 0.25 < 0.3 at evaluation 2).
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
+               "--pruner", "median", "--median_startup_trials", "1", "--min_evals", "1",
+               "--", "--values=0.25,0.25,0.95", "--sleep=0.6")  # one evaluation per poll
+    assert done.returncode == 0, done.stdout + done.stderr
+    trial = load_results(out, "fake")["trials"][2]
+    assert (trial["state"], trial["evals"]) == ("pruned", 2), done.stdout
+
+
 def test_failed_trials_are_marked_failed_with_their_error(tmp_path):
     sweep = write_sweep(tmp_path, parameters={"crash": {"value": "boom at step 1"}})
     out = tmp_path / "out"
@@ -253,6 +329,38 @@ def test_metric_the_trial_never_logs_is_a_usage_error(tmp_path):
     assert done.returncode == 2
     line = one_error_line(done.stderr)
     assert "trial 0 finished without logging metric 'val/accuracy'" in line and "val/acc" in line
+
+
+def test_best_parameters_are_printed_and_stored_as_they_ran(tmp_path):
+    """`--evals=2` after `--` replaces the sweep's evals (sampled 5 or 6): 2 ran, and 2 is what is shown and stored."""
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "evals": {"values": [5, 6]}})
+    out = tmp_path / "out"
+    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+               "--", "--evals=2", "--note", "two words")  # fake_trial ignores --note
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = load_results(out, "fake")
+    best = results["best"]
+    assert best["evals"] == 2 and best["args"]["evals"] in (5, 6)  # what ran; what was sampled
+    learning_rate = best["args"]["learning_rate"]
+    assert best["effective_args"] == [f"--learning_rate={learning_rate}", "--evals=2", "--note", "two words"]
+    assert best["argv"][-4:] == ["--evals=2", "--note", "two words", f"--output_dir={best['output_dir']}"]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("best parameters: "))
+    assert line == f"best parameters: --learning_rate={best['args']['learning_rate']} --evals=2 --note 'two words'"
+    assert f"(the options after -- replaced the sweep's --evals={best['args']['evals']})" in done.stdout
+    shown = done.stdout.replace(f"replaced the sweep's --evals={best['args']['evals']}", "")
+    assert "evals=5" not in shown and "evals=6" not in shown, done.stdout  # nor in the trial lines or the table
+    assert "trial 0: learning_rate=" in done.stdout and " evals=2 -> " in done.stdout
+
+
+def test_seeds_print_and_store_the_options_as_they_ran(tmp_path):
+    sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 5}})
+    ran = cli("common.seeds", "--sweep", str(sweep), "--seeds", "0", "--output_dir", str(tmp_path / "s"),
+              "--", "--evals=2")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "1 seeds of the sweep's constants: --score=0.5 --evals=2\n" in ran.stdout, ran.stdout
+    assert "--evals=5" not in ran.stdout
+    report = json.loads((tmp_path / "s" / "fake" / "seeds.json").read_text())
+    assert report["effective_args"] == ["--score=0.5", "--evals=2"] and report["seeds"][0]["evals"] == 2
 
 
 # ------------------------------------------------------------------------------- end to end (real)
@@ -378,6 +486,71 @@ def test_two_workers_share_a_journal_without_running_a_trial_twice(tmp_path):
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     check_shared_study(JournalStorage(JournalFileBackend(str(out / "fake" / "journal.log"))), "fake", ledger, 8, 2)
+
+
+def test_the_worker_that_finishes_last_leaves_the_final_results(tmp_path):
+    """A worker that ends while another's trial runs says so; the other, ending last, writes the final results.json."""
+    go = tmp_path / "go"
+    sweep = write_sweep(tmp_path)
+    out = tmp_path / "out"
+    slow = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+                     "--", "--evals=1", f"--wait_for={go}")
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "fake" / "trial_0000" / "metrics.jsonl").is_file():
+            assert time.monotonic() < deadline and slow.poll() is None, slow.stdout.read()
+            time.sleep(0.1)
+        fast = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2", "--seed", "1",
+                   "--", "--evals=1")
+        assert fast.returncode == 0, fast.stdout + fast.stderr
+        assert "1 trial(s) still running in other workers (0): these results are not final" in fast.stdout, fast.stdout
+        results = load_results(out, "fake")
+        assert results["final"] is False and results["counts"] == {"running": 1, "complete": 1}
+    finally:
+        go.touch()
+    stdout, _ = slow.communicate(timeout=60)
+    assert slow.returncode == 0, stdout
+    assert "still running" not in stdout
+    results = load_results(out, "fake")
+    assert results["final"] is True and results["counts"] == {"complete": 2}
+    assert [t["state"] for t in results["trials"]] == ["complete", "complete"]
+
+
+def test_results_writers_take_turns_so_the_last_write_holds_the_latest_state(tmp_path, monkeypatch):
+    """Worker A reads the storage, then is slow to write; meanwhile B's trial ends and B writes. A must not go last."""
+    import threading
+
+    sweep = load_sweep(write_sweep(tmp_path))
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), study_name="race", direction="maximize")
+    done_trial = study.ask()
+    study.tell(done_trial, 0.5)
+    running = study.ask()
+    a_has_read, b_wrote = threading.Event(), threading.Event()
+    record = search_module.trial_record
+
+    def slow_record(trial):  # called once A has read the trials
+        if threading.current_thread().name == "A":
+            a_has_read.set()
+            b_wrote.wait(timeout=2)  # without turns B writes meanwhile; with them it waits, and this times out
+        return record(trial)
+
+    monkeypatch.setattr(search_module, "trial_record", slow_record)
+    worker_a = threading.Thread(name="A", target=search_module.write_results, args=(study, sweep, tmp_path, "mem", 2))
+    worker_a.start()
+    assert a_has_read.wait(timeout=10)
+    study.tell(running, 0.7)  # B's trial ends
+
+    def worker_b():
+        search_module.write_results(study, sweep, tmp_path, "mem", 2)
+        b_wrote.set()
+
+    thread_b = threading.Thread(name="B", target=worker_b)
+    thread_b.start()
+    worker_a.join(timeout=30)
+    thread_b.join(timeout=30)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [t["state"] for t in results["trials"]] == ["complete", "complete"]
+    assert results["final"] is True and results["best"]["number"] == running.number
 
 
 def test_grid_search_runs_each_point_once_and_stops(tmp_path):
