@@ -6,21 +6,17 @@ import json
 import math
 import os
 import re
-import socket
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from common.errors import EXIT_PREEMPTED, UsageError, at_failure
+from common.errors import UsageError
 
 TRACKERS = ("wandb", "none")
 METRICS_FILE = "metrics.jsonl"
-STATUS_FILE = "status.json"
-END_STATES = {"finished": 0, "stopped": 0, "preempted": EXIT_PREEMPTED}
 
 
 def wandb_has_credentials() -> bool:
@@ -148,64 +144,6 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
-
-
-class RunStatus:
-    """`<output_dir>/status.json`: how the run stands, for job scripts and search runners.
-
-    Launchers do not pass exit codes on (`accelerate launch` turns every failure into 1, a SIGTERM it
-    receives into 143), so the main process records the end state itself, atomically: "running" from
-    the moment the run starts (after its settings were checked and its checkpoint loaded), then
-    "finished", "stopped" (--stop_after_steps, or stopped for good by a sweep agent), "preempted"
-    (checkpointed: requeue it) or "failed" (with the exit code and the error line). A reader that finds
-    "running" after the job ended knows the run crashed (SIGKILL, OOM killer, a lost machine).
-    With RUN_STATUS_FILE set, the same record is also written there (e.g. for a Slurm script).
-    """
-
-    def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, progress):
-        self.enabled = accelerator.is_main_process
-        self.paths = [Path(output_dir) / STATUS_FILE] + ([Path(os.environ["RUN_STATUS_FILE"])]
-                                                          if os.environ.get("RUN_STATUS_FILE") else [])
-        self.progress = progress  # read at each write: the step the run had reached
-        self.ended = False
-        self._write("running")
-        at_failure(self.failed)  # every error that ends main() records itself here
-
-    def end(self, state: str, reason: str = "") -> None:
-        """Record a normal end: finished, stopped or preempted."""
-        self._write(state, exit_code=END_STATES[state], reason=reason)
-        self.ended = True
-
-    def failed(self, exit_code: int, message: str) -> None:
-        if not self.ended:
-            self.ended = True
-            self._write("failed", exit_code=exit_code, error=message)
-
-    def _write(self, state: str, **fields) -> None:
-        if not self.enabled:
-            return
-        record = {"state": state, "step": self.progress.step, **fields, "host": socket.gethostname(),
-                  "pid": os.getpid(), "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        for path in self.paths:
-            tmp = path.with_name(f".{path.name}.tmp")
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with tmp.open("w") as handle:
-                    handle.write(json.dumps(record) + "\n")
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(tmp, path)
-            except OSError:  # a full disk must not hide the error being reported; readers then see "running"
-                tmp.unlink(missing_ok=True)
-
-
-def read_status(output_dir: str | os.PathLike) -> dict | None:
-    """The status record of a run folder, or None when there is none (or it is unreadable)."""
-    try:
-        record = json.loads((Path(output_dir) / STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: str = "train") -> tqdm:

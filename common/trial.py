@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from common.errors import read_status
+
 METRICS_FILE = "metrics.jsonl"  # common.tracking.METRICS_FILE; not imported, as that would load torch in the runner
 LOG_FILE = "trial.log"
 _LAUNCHER_ERRORS = ("CalledProcessError", "ChildFailedError", "SignalException")
@@ -163,17 +165,29 @@ def run_trial(
     result.duration_s = time.monotonic() - started
     result.returncode = proc.returncode
     result.logged_keys = sorted(tail.keys)
+    # The template's own record of how it ended (status.json) decides, not the launcher's exit code:
+    # `accelerate launch` reports every failure as 1 and SIGTERM as 143, and a run that finished and
+    # exported is finished even if a process of it then dies on the way out. Without a record (a
+    # program that writes none, or one that never started) the exit code decides.
+    status = read_status(output_dir) if not stopping and result.error is None else None
+    finished = status["state"] == "finished" if status else proc.returncode == 0
     if stopping:
         result.state = "stopped"
-    elif result.error is None and proc.returncode == 0:
+    elif result.error is None and finished:
         result.state = "complete"
         result.missing_metric = not result.evals
         if result.missing_metric:
             result.state = "failed"
             result.error = f"finished without logging {metric}"
+    elif result.error is None and status and status["state"] != "running":
+        reason = status.get("error") or status.get("reason") or ""
+        result.error = f"{status['state']} at step {status.get('step')} (exit {status.get('exit_code')})" + (
+            f": {reason}" if reason else "")
     elif result.error is None:
         line = last_error_line(log_path)
         code = f"exit {proc.returncode}" if proc.returncode >= 0 else f"killed by {_signal_name(-proc.returncode)}"
+        if status:  # still "running": a process of it was killed before it could record anything
+            code = f"crashed at step {status.get('step')} ({code})"
         result.error = f"{code}: {line}" if line else code
     return result
 

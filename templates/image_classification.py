@@ -30,10 +30,10 @@ from common.accelerator import build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import config_to_dict, parse_config  # noqa: E402
 from common.data import build_loader, default_num_workers, split_by_key, split_indices  # noqa: E402
-from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
+from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import RunStatus, Tracker, progress_bar, sweep_run_dir  # noqa: E402
+from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 

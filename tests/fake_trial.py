@@ -14,6 +14,8 @@ Takes `--name=value` options (unknown ones are ignored, like sweep parameters it
     --fail         after the first evaluation: print "error: <value>" and exit 2
     --crash        after the first evaluation: raise RuntimeError(<value>), print its traceback, exit 1
                    (both then print the traceback `accelerate launch` adds when its child fails)
+    --status       write status.json as the templates do: "running" at start, then this end state
+                   (finished, or failed with --fail's line and exit code 3); --exit_code: exit with it
 """
 
 import json
@@ -53,6 +55,13 @@ if opts.get("child") in ("True", "true", "1"):
     code += "time.sleep(600)\n"
     subprocess.Popen([sys.executable, "-c", code, f"fake-rank-of {out}"])
 
+def write_status(state: str, **fields) -> None:
+    with open(os.path.join(out, "status.json"), "w") as handle:
+        json.dump({"state": state, "step": fields.pop("step", 0), **fields}, handle)
+
+
+if opts.get("status"):
+    write_status("running")
 score = float(opts.get("score") or opts.get("learning_rate") or 0.5) + int(opts.get("seed") or 0) / 100
 evals, pause = int(opts.get("evals", 3)), float(opts.get("sleep", 0.05))
 values = [float(v) for v in opts["values"].split(",")] if opts.get("values") else None
@@ -67,6 +76,8 @@ for i in range(1, evals + 1):
         handle.write(json.dumps({"step": 10 * i, metric: value, "epoch": i}) + "\n")
     if i == 1 and opts.get("fail"):
         print(f"error: {opts['fail']}", file=sys.stderr)
+        if opts.get("status") == "failed":
+            write_status("failed", step=10, exit_code=3, error=opts["fail"])
         launcher_trailer(2)
     if i == 1 and opts.get("crash"):
         try:
@@ -80,3 +91,6 @@ if opts.get("wait_for"):
     while not os.path.exists(opts["wait_for"]) and time.monotonic() < deadline:
         time.sleep(0.05)
 print("done")
+if opts.get("status") == "finished":
+    write_status("finished", step=10 * evals, exit_code=0)
+sys.exit(int(opts.get("exit_code") or 0))

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
-from common.tracking import read_status
+from common.errors import read_status
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"

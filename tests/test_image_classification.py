@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, copy_template_alone, launch, load_template
-from common.tracking import read_status
+from common.errors import read_status
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 TINY = ("--epochs", "2", "--width", "8", "--depth", "1", "--tracker", "none")

@@ -256,6 +256,20 @@ def test_failed_trial_reports_its_last_error_line(tmp_path):
     assert result.state == "failed" and result.missing_metric and "val/acc" in result.logged_keys
 
 
+def test_the_runs_own_end_state_decides_not_the_launchers_exit_code(tmp_path):
+    """status.json, as the templates write it: a run that finished is complete even if the launcher then
+    exits 1 (a process dying on its way out); a failure is named by the run's own line and code."""
+    finished = [sys.executable, str(FAKE), f"--output_dir={tmp_path / 'a'}", "--status=finished", "--exit_code=1"]
+    result = run_trial(finished, tmp_path / "a", "val/accuracy", poll_s=0.05)
+    assert result.state == "complete" and result.value == pytest.approx(0.5), result
+    failed = [sys.executable, str(FAKE), f"--output_dir={tmp_path / 'b'}", "--status=failed", "--fail=loss is NaN"]
+    result = run_trial(failed, tmp_path / "b", "val/accuracy", poll_s=0.05)
+    assert result.state == "failed" and result.error == "failed at step 10 (exit 3): loss is NaN", result
+    crashed = [sys.executable, str(FAKE), f"--output_dir={tmp_path / 'c'}", "--status=running", "--crash=boom"]
+    result = run_trial(crashed, tmp_path / "c", "val/accuracy", poll_s=0.05)
+    assert result.state == "failed" and result.error == "crashed at step 0 (exit 1): RuntimeError: boom", result
+
+
 def test_a_job_that_ended_by_itself_while_its_stop_was_decided_is_complete(tmp_path):
     """The job logs its last evaluation, goes on briefly (its final save) and exits 0 while the pruner answers."""
     out = tmp_path / "trial"
