@@ -1,4 +1,5 @@
-# Sourced by demo.sh and test.sh: make .venv (once) and install what the project needs into it.
+# Sourced by demo.sh and test.sh: make .venv (once) and install requirements-dev.txt into it
+# (what the templates need, plus the tests, the search tools and ruff).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -14,5 +15,5 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install torch --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-pip install --quiet --disable-pip-version-check -r "$ROOT/requirements.txt"
+pip install --quiet --disable-pip-version-check -r "$ROOT/requirements-dev.txt"
 cd "$ROOT"
