@@ -98,7 +98,10 @@ class Tracker:
             run_id = run_id_file.read_text().strip() if run_id_file.is_file() else uuid.uuid4().hex[:8]
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
-        return wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode, **kwargs)
+        # quiet: no 20-line history and summary at the end (metrics.jsonl and the run page have them), and
+        # one sync hint (ours, below) instead of two.
+        return wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode,
+                          settings=wandb.Settings(quiet=True), **kwargs)
 
     def _truncate_after(self, step: int) -> None:
         if not self.metrics_path.is_file():
@@ -144,6 +147,12 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def say(accelerator: Accelerator, text: str) -> None:
+    """Print on the main process through tqdm, so a live progress bar is redrawn below the line, not glued to it."""
+    if accelerator.is_main_process:
+        tqdm.write(text)
 
 
 def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: str = "train") -> tqdm:

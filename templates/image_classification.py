@@ -33,7 +33,7 @@ from common.data import build_loader, default_num_workers, split_by_key, split_i
 from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
+from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         progress.epoch, progress.batches_in_epoch = epoch + 1, 0
         metrics = evaluate(model, val_loader, accelerator)
         tracker.log(metrics | {"epoch": epoch + 1}, step=progress.step)
-        accelerator.print(f"epoch {epoch + 1}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, val accuracy {metrics['val/accuracy']:.2%}")
+        say(accelerator, f"epoch {epoch + 1}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, val accuracy {metrics['val/accuracy']:.2%}")
         ckpt.save_best(progress, metrics["val/accuracy"])  # before save(): the periodic checkpoint records the new best
         ckpt.save(progress)
     bar.close()

@@ -40,7 +40,7 @@ from common.data import build_loader, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import Tracker, progress_bar, sweep_run_dir  # noqa: E402
+from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if corpus.byte_level:  # one token is one byte: nats per token / ln 2 = bits per byte
             metrics["val/bpb"] = metrics["val/loss"] / math.log(2)
         bpb = f", {metrics['val/bpb']:.3f} bits per byte" if "val/bpb" in metrics else ""
-        accelerator.print(f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
+        say(accelerator, f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
         if record:  # not when a finished run is resumed: its evaluation is logged and saved already
             tracker.log(metrics, step=progress.step)
             ckpt.save_best(progress, metrics["val/loss"])  # before save(): the periodic checkpoint records the new best

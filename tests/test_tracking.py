@@ -34,6 +34,7 @@ class FakeWandb(types.ModuleType):
     def __init__(self):
         super().__init__("wandb")
         self.inits: list[dict] = []
+        self.Settings = lambda **kwargs: SimpleNamespace(**kwargs)
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
