@@ -49,7 +49,10 @@ def parse_config(config_cls: type[T], argv: list[str] | None = None) -> T:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Help wins over any other mistake on the line: someone asking for help wants the listing.
     if "-h" in argv or "--help" in argv:
-        print(format_help(config_cls))
+        try:
+            print(format_help(config_cls), flush=True)
+        except BrokenPipeError:  # `--help | head` stopped reading: fine, and nothing more to say at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
 
     files, given = _split_argv(argv, field_types)

@@ -46,6 +46,8 @@ def lm_checkpoint() -> str:
     return "{lm_run}/checkpoints/step_00000002"
 
 
+
+
 CASES = {
     # -- image template: flags and values
     "image/unknown-flag": Case("image", ("--epoch", "3"), "unknown option --epoch (did you mean --epochs?)"),
@@ -54,7 +56,6 @@ CASES = {
     "image/batch-size-0": Case("image", ("--batch_size", "0"), "batch_size must be at least 1, got 0"),
     "image/accumulation-0": Case("image", ("--gradient_accumulation_steps", "0"), "gradient_accumulation_steps must be at least 1, got 0"),
     "image/dropout-out-of-range": Case("image", ("--dropout", "1.5"), "dropout must be in [0, 1), got 1.5"),
-    # -- image template: data
     "image/missing-data-dir": Case("image", ("--data_dir", "{data}/no_such_folder"), "no_such_folder: no such folder"),
     "image/empty-data-dir": Case("image", ("--data_dir", "{data}/empty"), "need at least 2 class folders"),
     "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8", "--num_workers", "0"),
@@ -69,7 +70,6 @@ CASES = {
     "image/folder-of-another-run": Case("image", ("--resume", "none"), "already holds checkpoints of a run (newest: "),
     "image/folder-of-another-template": Case("image", (), "holds a run of template 'language_model'; choose another --output_dir",
                                              output="{lm_run}"),
-    # -- config files
     "config/missing": Case("image", ("--config", "{data}/missing.yaml"), "missing.yaml: not found"),
     "config/not-yaml": Case("image", ("--config", "{data}/broken.yaml"), "broken.yaml: not valid YAML"),
     "config/wrong-type": Case("image", ("--config", "{data}/wrong_type.yaml"), "wrong_type.yaml: label_smoothing: expected a number, got 'lots'"),
@@ -84,7 +84,6 @@ CASES = {
     "lm/odd-token-file": Case("lm", ("--data_path", "{data}/odd.bin"), "has 3 bytes, not a multiple of 2"),
     "lm/checkpoint-of-another-shape": Case("lm", ("--data_path", "{data}/corpus.txt", "--n_embd", "64"),
                                            "does not fit this model and optimizer: "),
-    # -- the search runner
     "search/unknown-flag": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trial", "3"), "unknown option --n_trial (did you mean --n_trials?)"),
     "search/n-trials-0": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trials", "0"), "n_trials must be at least 1"),
     "search/missing-sweep": Case("search", ("--sweep", "{data}/no_such_sweep.yaml"), "no_such_sweep.yaml: not found"),
@@ -200,3 +199,13 @@ def test_bad_input_is_one_error_line_and_changes_nothing_saved(battery, name):
     fresh = places["fresh"]
     if fresh.exists():  # a new run that failed on its data: it published no checkpoint
         assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
+    """`python templates/x.py --help | head`: head may be gone before the help is written."""
+    child = subprocess.Popen(command(program, ["--help"]), cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    child.stdout.close()  # before the template has even imported torch: its help meets a closed pipe
+    stderr = child.stderr.read()
+    assert child.wait(timeout=120) == 0 and stderr == "", stderr
