@@ -15,6 +15,7 @@ EXIT_NON_FINITE = 3  # the loss or the gradients became NaN/inf; the last good c
 EXIT_SAVE_FAILED = 4  # a checkpoint or the export could not be written (e.g. disk full); earlier checkpoints are intact
 EXIT_RANK_LOST = 5  # another rank died or did not answer within --timeout_s; the last complete checkpoint is kept
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue and resume (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it; the checkpoints saved before are intact
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -84,7 +85,8 @@ def report_usage_errors(main: F) -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
 
     UsageError -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine,
-    as every rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number.
+    as every rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number;
+    Ctrl-C -> 130.
     """
 
     @functools.wraps(main)
@@ -102,6 +104,9 @@ def report_usage_errors(main: F) -> F:
                 raise
             where = f" writing {error.filename}" if error.filename else ""
             _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
+        except KeyboardInterrupt:
+            _report("interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto",
+                    EXIT_INTERRUPTED)
         except RuntimeError as error:
             if not is_rank_lost(error):
                 raise

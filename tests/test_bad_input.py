@@ -11,10 +11,13 @@ README's figure.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +105,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 def write_data(data: Path) -> None:
     from PIL import Image
 
-    (data / "empty").mkdir(parents=True)
+    (data / "empty").mkdir()
     for c, name in enumerate(("red", "green", "blue")):
         (data / "images" / name).mkdir(parents=True)
         for i in range(8):
@@ -143,11 +146,17 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
+def data(tmp_path_factory) -> Path:
+    data = tmp_path_factory.mktemp("bad_input_data")
+    write_data(data)
+    return data
+
+
+@pytest.fixture(scope="module")
+def battery(tmp_path_factory, data):
     """Finished runs of both templates and a one-trial study, then every case against its own copy of them."""
     root = tmp_path_factory.mktemp("bad_input")
-    data, existing = root / "data", root / "existing"
-    write_data(data)
+    existing = root / "existing"
     prepare = [
         command("image", [*TINY_IMAGE, "--output_dir", str(existing / "image_run")]),
         command("lm", [*TINY_LM, "--data_path", str(data / "corpus.txt"), "--output_dir", str(existing / "lm_run")]),
@@ -201,6 +210,15 @@ def test_bad_input_is_one_error_line_and_changes_nothing_saved(battery, name):
         assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
 
 
+# --------------------------------------------------------------------------- beyond the battery
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in re.split(r"[\r\n]+", stderr) if line.strip() and not PROGRESS_BAR.match(line)]
+
+
+def tiny(program: str, data: Path) -> list[str]:
+    return TINY_IMAGE if program == "image" else [*TINY_LM, "--data_path", str(data / "corpus.txt")]
+
+
 @pytest.mark.parametrize("program", ["image", "lm"])
 def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
     """`python templates/x.py --help | head`: head may be gone before the help is written."""
@@ -209,3 +227,23 @@ def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
     child.stdout.close()  # before the template has even imported torch: its help meets a closed pipe
     stderr = child.stderr.read()
     assert child.wait(timeout=120) == 0 and stderr == "", stderr
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
+    longer = ["--epochs", "1000"] if program == "image" else ["--max_steps", "100000"]
+    child = subprocess.Popen(command(program, [*tiny(program, data), *longer, "--output_dir", str(tmp_path / "run")]),
+                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        for line in child.stdout:  # printed just before the training loop starts
+            if "optimizer steps" in line:
+                break
+        time.sleep(1)
+        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the terminal's whole foreground group
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130, stderr[-3000:]
+    message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
+    assert error_lines(stderr) == [message], stderr[-3000:]
