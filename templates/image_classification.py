@@ -15,6 +15,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -26,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ besid
 
 from accelerate.utils import set_seed  # noqa: E402
 
-from common.accelerator import build_accelerator, describe  # noqa: E402
+from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
-from common.config import config_to_dict, parse_config  # noqa: E402
+from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
 from common.data import build_loader, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import Tracker, progress_bar  # noqa: E402
+from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -70,17 +71,21 @@ class Config:
     wandb_project: str = field(default="image-classification-template", metadata={"help": "W&B project name."})
     timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
 
+    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
+    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
+    RANGES: ClassVar[dict] = {
+        "image_size": "[1, 1024]", "val_fraction": "(0, 1)", "epochs": "[1, inf)", "batch_size": "[1, inf)",
+        "gradient_accumulation_steps": "[1, inf)", "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING,
+        "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)", "grad_clip": "[0, inf)", "width": "[1, inf)",
+        "depth": "[1, inf)", "dropout": "[0, 1)", "label_smoothing": "[0, 1)", "num_workers": "[-1, 128]",
+        "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]", "checkpoint_every_steps": "[0, inf)",
+        "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)", "log_every_steps": "[1, inf)", "tracker": TRACKERS,
+        "timeout_s": "[1, 604800]",
+    }
+
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "gradient_accumulation_steps", "width", "depth", "image_size", "keep_last", "log_every_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for name in ("weight_decay", "warmup_steps", "grad_clip", "checkpoint_every_steps", "stop_after_steps", "label_smoothing"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_ranges(self)
+        check_wandb_project(self.wandb_project)
 
 
 # ----------------------------------------------------------------------------------------- data

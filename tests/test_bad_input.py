@@ -10,7 +10,9 @@ README's figure.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, load_template
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -59,6 +62,18 @@ CASES = {
     "image/batch-size-0": Case("image", ("--batch_size", "0"), "batch_size must be at least 1, got 0"),
     "image/accumulation-0": Case("image", ("--gradient_accumulation_steps", "0"), "gradient_accumulation_steps must be at least 1, got 0"),
     "image/dropout-out-of-range": Case("image", ("--dropout", "1.5"), "dropout must be in [0, 1), got 1.5"),
+    "image/label-smoothing-2": Case("image", ("--label_smoothing", "2"), "label_smoothing must be in [0, 1), got 2.0"),
+    "image/learning-rate-inf": Case("image", ("--learning_rate", "inf"),
+                                    "learning_rate must be a finite number, got inf"),
+    "image/num-workers-below-minus-1": Case("image", ("--num_workers", "-2"),
+                                            "num_workers must be at least -1, got -2"),
+    "image/image-size-huge": Case("image", ("--data_dir", "{data}/few_images", "--image_size", "100000"),
+                                  "image_size must be at most 1024, got 100000"),
+    "image/unknown-tracker": Case("image", ("--tracker", "tensorboard"),
+                                  "tracker must be one of wandb, none, got 'tensorboard'"),
+    "image/invalid-wandb-project": Case("image", ("--tracker", "wandb", "--wandb_project", "team/project"),
+                                       "wandb_project 'team/project': W&B takes 1 to 128 characters, none of"),
+    # -- image template: data
     "image/missing-data-dir": Case("image", ("--data_dir", "{data}/no_such_folder"), "no_such_folder: no such folder"),
     "image/empty-data-dir": Case("image", ("--data_dir", "{data}/empty"), "need at least 2 class folders"),
     "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8", "--num_workers", "0"),
@@ -87,6 +102,14 @@ CASES = {
     "lm/odd-token-file": Case("lm", ("--data_path", "{data}/odd.bin"), "has 3 bytes, not a multiple of 2"),
     "lm/checkpoint-of-another-shape": Case("lm", ("--data_path", "{data}/corpus.txt", "--n_embd", "64"),
                                            "does not fit this model and optimizer: "),
+    "lm/learning-rate-inf": Case("lm", ("--learning_rate", "inf"), "learning_rate must be a finite number, got inf"),
+    "lm/dropout-nan": Case("lm", ("--dropout", "nan"), "dropout must be in [0, 1), got nan"),
+    "lm/temperature-0": Case("lm", ("--temperature", "0"), "temperature must be >= 0.001, got 0.0"),
+    "lm/vocab-size-beyond-uint16": Case("lm", ("--vocab_size", "100000"),
+                                        "vocab_size must be at most 65536, got 100000"),
+    "lm/num-workers-below-minus-1": Case("lm", ("--num_workers", "-2"), "num_workers must be at least -1, got -2"),
+    "lm/unknown-tracker": Case("lm", ("--tracker", "tensorboard"),
+                               "tracker must be one of wandb, none, got 'tensorboard'"),
     "search/unknown-flag": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trial", "3"), "unknown option --n_trial (did you mean --n_trials?)"),
     "search/n-trials-0": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trials", "0"), "n_trials must be at least 1"),
     "search/missing-sweep": Case("search", ("--sweep", "{data}/no_such_sweep.yaml"), "no_such_sweep.yaml: not found"),
@@ -113,6 +136,11 @@ def write_data(data: Path) -> None:
             color[c] = 100 + 15 * i
             Image.new("RGB", (20, 20), tuple(color)).save(data / "images" / name / f"{i}.png")
     (data / "images" / "green" / "broken.png").write_bytes(b"these bytes are no PNG")  # corrupt, in one split or the other
+    for c, name in enumerate(("red", "green", "blue")):  # 15 good images, 11 of them to train on
+        (data / "few_images" / name).mkdir(parents=True)
+        for i in range(5):
+            color = tuple(60 + 60 * (k == c) + 10 * i for k in range(3))
+            Image.new("RGB", (8, 8), color).save(data / "few_images" / name / f"{i}.png")
     (data / "broken.yaml").write_text("epochs: [1, 2\n")
     (data / "wrong_type.yaml").write_text("label_smoothing: lots\n")
     (data / "unknown_key.yaml").write_text("max_step: 10\n")
@@ -217,6 +245,44 @@ def error_lines(stderr: str) -> list[str]:
 
 def tiny(program: str, data: Path) -> list[str]:
     return TINY_IMAGE if program == "image" else [*TINY_LM, "--data_path", str(data / "corpus.txt")]
+
+
+def out_of_range(low_open: bool, low: float, high: float, high_open: bool, is_int: bool) -> list[float]:
+    """Values just outside an interval (and, for floats, inf and NaN, which no range admits)."""
+    values = [] if is_int else [math.inf, -math.inf, math.nan]
+    if math.isfinite(low):
+        values.append(low if low_open else (low - 1 if is_int else math.nextafter(low, -math.inf)))
+    if math.isfinite(high):
+        values.append(high if high_open else (high + 1 if is_int else math.nextafter(high, math.inf)))
+    return [int(v) if is_int else v for v in values]
+
+
+def test_every_option_of_both_templates_has_a_range_checked_alike_and_shown_by_help(capsys):
+    from common.config import _interval, format_help
+
+    configs = {name: load_template(name).Config for name in ("image_classification", "language_model")}
+    for name, config in configs.items():
+        assert config().RANGES is config.RANGES and "RANGES" not in {f.name for f in dataclasses.fields(config)}
+        for f in dataclasses.fields(config):
+            kind = typing.get_type_hints(config)[f.name]
+            allowed = config.RANGES.get(f.name)
+            if kind in (int, float):
+                assert isinstance(allowed, str), f"{name}: --{f.name} has no range"
+                low_open, low, high, high_open = _interval(allowed)
+                for end in (low, high):  # a closed end is allowed (n_embd 1 still needs n_head 1)
+                    if math.isfinite(end) and (end == low and not low_open or end == high and not high_open):
+                        config(**{f.name: kind(end)}, **({"n_head": 1} if f.name == "n_embd" else {}))
+                for bad in out_of_range(low_open, low, high, high_open, kind is int):
+                    with pytest.raises(ValueError, match=f"^{f.name} must be "):
+                        config(**{f.name: bad})
+            elif isinstance(allowed, tuple):  # strings with choices
+                with pytest.raises(ValueError, match=f"^{f.name} must be one of "):
+                    config(**{f.name: "bogus"})
+            if allowed is not None:
+                shown = f"one of {', '.join(allowed)}" if isinstance(allowed, tuple) else f"range {allowed}"
+                assert f"--{f.name} " in format_help(config) and shown in format_help(config).split(f"--{f.name} ")[1]
+    image, lm = (c.RANGES for c in configs.values())
+    assert {k: v for k, v in image.items() if k in lm} == {k: v for k, v in lm.items() if k in image}  # the same way
 
 
 @pytest.mark.parametrize("program", ["image", "lm"])
