@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ besid
 from accelerate.utils import set_seed  # noqa: E402
 
 from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
-from common.checkpoint import CheckpointManager, export_weights, load_exported  # noqa: E402
+from common.checkpoint import CheckpointManager, check_output_dir, export_weights, load_exported  # noqa: E402
 from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
 from common.data import build_loader, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
@@ -399,6 +399,7 @@ def peak_memory_gb(device: torch.device) -> float:
 @report_usage_errors
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
+    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
     accelerator = build_accelerator(
         seed=cfg.seed,
         mixed_precision=cfg.mixed_precision,

@@ -52,6 +52,7 @@ def lm_checkpoint() -> str:
     return "{lm_run}/checkpoints/step_00000002"
 
 
+NOT_WRITABLE = "/proc/1"  # a folder even root cannot write in (os.access says so too)
 
 
 CASES = {
@@ -88,6 +89,14 @@ CASES = {
     "image/folder-of-another-run": Case("image", ("--resume", "none"), "already holds checkpoints of a run (newest: "),
     "image/folder-of-another-template": Case("image", (), "holds a run of template 'language_model'; choose another --output_dir",
                                              output="{lm_run}"),
+    "image/output-dir-is-a-file": Case("image", (), "--output_dir {image_run}/metrics.jsonl is a file, not a folder",
+                                       output="{image_run}/metrics.jsonl"),
+    "image/output-dir-under-a-file": Case("image", (), "--output_dir {image_run}/model.safetensors/run cannot be "
+                                          "created: {image_run}/model.safetensors is a file, not a folder",
+                                          output="{image_run}/model.safetensors/run"),
+    "image/output-dir-not-writable": Case("image", (), f"--output_dir {NOT_WRITABLE}: this folder is not writable",
+                                          output=NOT_WRITABLE),
+    # -- config files
     "config/missing": Case("image", ("--config", "{data}/missing.yaml"), "missing.yaml: not found"),
     "config/not-yaml": Case("image", ("--config", "{data}/broken.yaml"), "broken.yaml: not valid YAML"),
     "config/wrong-type": Case("image", ("--config", "{data}/wrong_type.yaml"), "wrong_type.yaml: label_smoothing: expected a number, got 'lots'"),
@@ -110,6 +119,11 @@ CASES = {
     "lm/num-workers-below-minus-1": Case("lm", ("--num_workers", "-2"), "num_workers must be at least -1, got -2"),
     "lm/unknown-tracker": Case("lm", ("--tracker", "tensorboard"),
                                "tracker must be one of wandb, none, got 'tensorboard'"),
+    "lm/output-dir-not-writable": Case("lm", (), f"--output_dir {NOT_WRITABLE}/run cannot be created: {NOT_WRITABLE} "
+                                       "is not writable", output=f"{NOT_WRITABLE}/run"),
+    "lm/output-dir-is-a-file": Case("lm", (), "--output_dir {lm_run}/run.json is a file, not a folder",
+                                    output="{lm_run}/run.json"),
+    # -- the search runner
     "search/unknown-flag": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trial", "3"), "unknown option --n_trial (did you mean --n_trials?)"),
     "search/n-trials-0": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trials", "0"), "n_trials must be at least 1"),
     "search/missing-sweep": Case("search", ("--sweep", "{data}/no_such_sweep.yaml"), "no_such_sweep.yaml: not found"),
