@@ -475,12 +475,15 @@ def _check_sharded(folder: Path) -> None:
 
 
 def _unpickling_reason(error: BaseException) -> str:
-    """The line of torch's weights-only refusal that names the culprit, not its advice to load the file unsafely."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        if not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation")):
-            return line
-    return lines[-1].split("WeightsUnpickler error:")[-1].strip() if lines else type(error).__name__
+    """What torch's weights-only unpickler refused ("Unsupported global: GLOBAL os.system ..."), without its
+    advice to load the file unsafely (`weights_only=False`) or to allowlist the culprit."""
+    text = str(error).split("WeightsUnpickler error:")[-1]  # newer torch: after its two options of unsafe loading
+    for line in (line.strip() for line in text.splitlines()):
+        if line and not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation",
+                                         "(1)", "(2)")):
+            reason = re.split(r"\.? Please use `", line)[0].rstrip(".")
+            return "an object it does not allow" if "weights_only" in reason else reason
+    return type(error).__name__
 
 
 def _wrapped(error: BaseException) -> list[BaseException]:
@@ -492,7 +495,26 @@ def _wrapped(error: BaseException) -> list[BaseException]:
 def _reason(error: BaseException) -> str:
     """One line saying what went wrong, also for the errors torch.distributed.checkpoint wraps."""
     inner = _wrapped(error)
-    return one_line(inner[0] if inner else error)
+    error = inner[0] if inner else error
+    if isinstance(error, RuntimeError) and str(error).startswith("Error(s) in loading state_dict"):
+        return _state_dict_mismatch(str(error))
+    return one_line(error)
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[(.*?)\]\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)")
+
+
+def _state_dict_mismatch(text: str, shown: int = 2) -> str:
+    """torch's load_state_dict complaint (a line per problem) as one line: the first few keys (and shapes) of each."""
+    sizes = [f"size mismatch for {m[1]}: checkpoint ({m[2]}), model ({m[3]})" for m in _SIZE_MISMATCH.finditer(text)]
+    parts = sizes[:shown] + ([f"{len(sizes) - shown} more size mismatches"] if len(sizes) > shown else [])
+    for kind, what in (("Missing", "model keys not in the checkpoint"), ("Unexpected", "keys the model lacks")):
+        line = re.search(rf"{kind} key\(s\) in state_dict: (.*)", text)
+        names = re.findall(r'"([^"]+)"', line[1]) if line else []
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        parts += [f"{what}: {', '.join(names[:shown])}{more}"] if names else []
+    return "; ".join(parts) or text.splitlines()[0]
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -133,15 +133,19 @@ def load_datasets(cfg: Config) -> tuple[Dataset, Dataset, int, int]:
         return Subset(full, train_idx), Subset(full, val_idx), 1, 10
     root = Path(cfg.data_dir)
     if not root.is_dir():
-        raise UsageError(f"--data_dir {root}: no such folder")
-    if (root / "train").is_dir() and (root / "val").is_dir():
-        train_paths, train_labels, classes = list_images(root / "train")
-        val_paths, val_labels, _ = list_images(root / "val", classes)
-    else:
-        paths, labels, classes = list_images(root)
-        train_idx, val_idx = split_by_key([str(p.relative_to(root)) for p in paths], cfg.val_fraction)
-        train_paths, train_labels = [paths[i] for i in train_idx], [labels[i] for i in train_idx]
-        val_paths, val_labels = [paths[i] for i in val_idx], [labels[i] for i in val_idx]
+        raise UsageError(f"--data_dir {root} is a file, not a folder of class folders" if root.exists() else
+                         f"--data_dir {root}: no such folder")
+    try:
+        if (root / "train").is_dir() and (root / "val").is_dir():
+            train_paths, train_labels, classes = list_images(root / "train")
+            val_paths, val_labels, _ = list_images(root / "val", classes)
+        else:
+            paths, labels, classes = list_images(root)
+            train_idx, val_idx = split_by_key([str(p.relative_to(root)) for p in paths], cfg.val_fraction)
+            train_paths, train_labels = [paths[i] for i in train_idx], [labels[i] for i in train_idx]
+            val_paths, val_labels = [paths[i] for i in val_idx], [labels[i] for i in val_idx]
+    except OSError as error:  # a folder without read permission
+        raise UsageError(f"--data_dir {root}: cannot read {error.filename} ({error.strerror})") from None
     if len(classes) < 2 or not train_paths or not val_paths:
         raise UsageError(
             f"--data_dir {root}: need at least 2 class folders with images ({', '.join(sorted(IMAGE_SUFFIXES))}) "

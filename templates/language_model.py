@@ -171,11 +171,18 @@ def stdlib_sources() -> tuple[Path, list[Path]]:
 
 
 def read_text_files(files: list[Path]) -> np.ndarray:
-    return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
+    try:
+        return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
+    except OSError as error:
+        raise UsageError(f"cannot read {error.filename} ({error.strerror})") from None
 
 
 def token_file(path: Path) -> Path:
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+        path.open("rb").close()  # it is memory-mapped later, in the loader
+    except OSError as error:
+        raise UsageError(f"cannot read token file {path} ({error.strerror})") from None
     if size == 0:
         raise UsageError(f"token file {path} is empty")
     if size % 2:
@@ -344,6 +351,8 @@ def build_model(cfg: Config, vocab_size: int) -> GPT:
 def exported_positions(path: Path) -> int | None:
     from safetensors import SafetensorError, safe_open
 
+    if path.is_dir():
+        raise UsageError(f"--init_from {path} is a folder, not a model.safetensors export")
     try:
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_slice("wpe.weight").get_shape()[0] if "wpe.weight" in handle.keys() else None

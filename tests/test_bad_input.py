@@ -77,12 +77,19 @@ CASES = {
     # -- image template: data
     "image/missing-data-dir": Case("image", ("--data_dir", "{data}/no_such_folder"), "no_such_folder: no such folder"),
     "image/empty-data-dir": Case("image", ("--data_dir", "{data}/empty"), "need at least 2 class folders"),
+    "image/data-dir-is-a-file": Case("image", ("--data_dir", "{data}/corpus.txt"),
+                                     "--data_dir {data}/corpus.txt is a file, not a folder of class folders"),
     "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8", "--num_workers", "0"),
                                 "cannot read image {data}/images/", output="{fresh}"),
     "image/corrupt-image-in-a-worker": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8",
                                                       "--num_workers", "2"), "cannot read image {data}/images/", output="{fresh}"),
     # -- image template: checkpoints and output folders
-    "image/checkpoint-of-another-shape": Case("image", ("--width", "16"), "does not fit this model and optimizer: "),
+    "image/checkpoint-of-another-shape": Case("image", ("--width", "16"),
+                                              "does not fit this model and optimizer: size mismatch for "
+                                              "features.0.weight: checkpoint (8, 1, 3, 3), model (16, 1, 3, 3); "),
+    "image/unsafe-checkpoint": Case("image", ("--resume", "{data}/tampered_image"),
+                                    "refused optimizer.bin: it holds more than plain data, loading it could run code "
+                                    "(Unsupported global: GLOBAL argparse.Namespace"),
     "image/checkpoint-of-another-template": Case("image", ("--resume", lm_checkpoint()),
                                                  "was written by template 'language_model', not 'image_classification'"),
     "image/resume-path-missing": Case("image", ("--resume", "{data}/no_such_checkpoint"), "no_such_checkpoint: no such checkpoint folder"),
@@ -109,8 +116,14 @@ CASES = {
     "lm/corpus-too-short-for-a-batch": Case("lm", ("--data_path", "{data}/short.txt", "--val_fraction", "0.5"),
                                             "4 training windows make no full batch of 8 per process"),
     "lm/odd-token-file": Case("lm", ("--data_path", "{data}/odd.bin"), "has 3 bytes, not a multiple of 2"),
+    "lm/unreadable-corpus": Case("lm", ("--data_path", "/proc/1/mem"), "cannot read /proc/1/mem ("),  # even for root
+    "lm/init-from-a-folder": Case("lm", ("--init_from", "{data}"), "--init_from {data} is a folder, not a model"),
     "lm/checkpoint-of-another-shape": Case("lm", ("--data_path", "{data}/corpus.txt", "--n_embd", "64"),
-                                           "does not fit this model and optimizer: "),
+                                           "does not fit this model and optimizer: size mismatch for wte.weight: "
+                                           "checkpoint (256, 32), model (256, 64); "),
+    "lm/unsafe-checkpoint": Case("lm", ("--resume", "{data}/tampered_lm"),
+                                 "refused random_states_0.pkl: it holds more than plain data, loading it could run "
+                                 "code (Unsupported global: GLOBAL argparse.Namespace"),
     "lm/learning-rate-inf": Case("lm", ("--learning_rate", "inf"), "learning_rate must be a finite number, got inf"),
     "lm/dropout-nan": Case("lm", ("--dropout", "nan"), "dropout must be in [0, 1), got nan"),
     "lm/temperature-0": Case("lm", ("--temperature", "0"), "temperature must be >= 0.001, got 0.0"),
@@ -177,6 +190,18 @@ def write_data(data: Path) -> None:
     (data / "missing_config_sweep.yaml").write_text(yaml.safe_dump(missing_config))
 
 
+def tampered_copy(checkpoint: Path, copy: Path, victim: str) -> None:
+    """A copy of `checkpoint` whose `victim` pickle also holds an object outside torch's weights-only allowlist
+    (harmless here; torch's refusal of it advises loading with weights_only=False, which must not be passed on)."""
+    import argparse
+
+    import torch
+
+    shutil.copytree(checkpoint, copy)
+    original = torch.load(checkpoint / victim, weights_only=False)  # our own file: safe to load fully here
+    torch.save({"original": original, "extra": argparse.Namespace(note="not plain data")}, copy / victim)
+
+
 def command(program: str, args: list[str]) -> list[str]:
     if program == "search":
         return [sys.executable, "-m", "common.search", *args]
@@ -208,6 +233,9 @@ def battery(tmp_path_factory, data):
         for result in pool.map(run, prepare):
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert (existing / "lm_run" / "checkpoints" / "step_00000002").is_dir()
+    image_checkpoint = max((existing / "image_run" / "checkpoints").glob("step_*"))
+    tampered_copy(image_checkpoint, data / "tampered_image", "optimizer.bin")
+    tampered_copy(existing / "lm_run" / "checkpoints" / "step_00000002", data / "tampered_lm", "random_states_0.pkl")
 
     def one(name: str):
         case = CASES[name]
@@ -245,6 +273,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing_saved(battery, name):
     lines = [line for line in re.split(r"[\r\n]+", result.stderr) if line.strip() and not PROGRESS_BAR.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), shown
     assert expected in lines[0], (expected, lines[0])
+    assert "weights_only" not in lines[0]  # torch's advice to load a refused file unsafely is not passed on
     assert "Traceback" not in result.stdout + result.stderr, shown
     assert after == before, sorted(set(after.items()) ^ set(before.items()))[:5]
     fresh = places["fresh"]
