@@ -199,6 +199,11 @@ class CheckpointManager:
         best = [p for p in self.complete_checkpoints() if p.name.startswith("best_step_")]
         return best[-1] if best else None
 
+    def kept(self) -> str:
+        """For an error message: the newest complete checkpoint (a resume starts there), or that there is none."""
+        existing = self.complete_checkpoints()
+        return f"the last good checkpoint is kept: {existing[-1]}" if existing else "no checkpoint was saved yet"
+
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoints that finished saving, oldest first (periodic before best at the same step)."""
         if not self.dir.is_dir():

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                     if not torch.isfinite(grad_norm) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
-                                             f"the last good checkpoint is kept in {ckpt.dir}")
+                                             f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1

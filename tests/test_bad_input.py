@@ -356,3 +356,14 @@ def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
     assert child.returncode == 130, stderr[-3000:]
     message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
     assert error_lines(stderr) == [message], stderr[-3000:]
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_non_finite_gradients_before_any_checkpoint_say_there_is_none(program, data, tmp_path):
+    """A finite but absurd learning rate: refused only when it blows up, and then without promising a checkpoint."""
+    result = run(command(program, [*tiny(program, data), "--learning_rate", "1e30", "--warmup_steps", "0",
+                                   "--output_dir", str(tmp_path / "run")]))
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert re.fullmatch(r"error: non-finite gradients at step \d+ \(loss \S+\); no checkpoint was saved yet",
+                        error_lines(result.stderr)[-1]), result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
