@@ -30,7 +30,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, check_output_dir, export_weights  # noqa: E402
 from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, default_num_workers, split_by_key, split_indices  # noqa: E402
+from common.data import build_loader, check_full_batches, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
@@ -260,8 +260,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
     micro_batches = len(train_loader)
-    if micro_batches == 0:
-        raise UsageError(f"{len(train_set)} training images make no full batch of {cfg.batch_size} per process")
+    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
+    warning = check_full_batches(micro_batches, len(train_set), cfg.batch_size, accelerator.num_processes,
+                                 "training images")
+    if warning:
+        accelerator.print(f"warning: {warning}")
     steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
 

@@ -37,7 +37,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, check_output_dir, export_weights, load_exported  # noqa: E402
 from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, split_by_key  # noqa: E402
+from common.data import build_loader, check_full_batches, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, UsageError, report_usage_errors  # noqa: E402
 from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
@@ -430,8 +430,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
     micro_batches = len(train_loader)
-    if micro_batches == 0:
-        raise UsageError(f"{len(corpus.train)} training windows make no full batch of {cfg.batch_size} per process")
+    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
+    warning = check_full_batches(micro_batches, len(corpus.train), cfg.batch_size, accelerator.num_processes,
+                                 "training windows")
+    if warning:
+        accelerator.print(f"warning: {warning}")
 
     model = build_model(cfg, corpus.vocab_size)
     flops_per_token = model.flops_per_token(cfg.block_size)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, clean_env, load_template
+from conftest import REPO, clean_env, launch, load_template
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -79,6 +79,10 @@ CASES = {
     "image/empty-data-dir": Case("image", ("--data_dir", "{data}/empty"), "need at least 2 class folders"),
     "image/data-dir-is-a-file": Case("image", ("--data_dir", "{data}/corpus.txt"),
                                      "--data_dir {data}/corpus.txt is a file, not a folder of class folders"),
+    "image/too-few-images-for-a-batch": Case("image", ("--data_dir", "{data}/few_images", "--image_size", "8",
+                                                       "--batch_size", "64"),
+                                             "11 training images make no full batch of 64 per process (1 process): "
+                                             "use --batch_size 11 or less"),
     "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8", "--num_workers", "0"),
                                 "cannot read image {data}/images/", output="{fresh}"),
     "image/corrupt-image-in-a-worker": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8",
@@ -114,7 +118,8 @@ CASES = {
     "lm/missing-corpus": Case("lm", ("--data_path", "{data}/no_such_corpus.txt"), "no_such_corpus.txt: no such file or folder"),
     "lm/empty-corpus": Case("lm", ("--data_path", "{data}/empty.txt"), "empty corpus, no bytes to train on"),
     "lm/corpus-too-short-for-a-batch": Case("lm", ("--data_path", "{data}/short.txt", "--val_fraction", "0.5"),
-                                            "4 training windows make no full batch of 8 per process"),
+                                            "4 training windows make no full batch of 8 per process (1 process): "
+                                            "use --batch_size 4 or less"),
     "lm/odd-token-file": Case("lm", ("--data_path", "{data}/odd.bin"), "has 3 bytes, not a multiple of 2"),
     "lm/unreadable-corpus": Case("lm", ("--data_path", "/proc/1/mem"), "cannot read /proc/1/mem ("),  # even for root
     "lm/init-from-a-folder": Case("lm", ("--init_from", "{data}"), "--init_from {data} is a folder, not a model"),
@@ -356,6 +361,39 @@ def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
     assert child.returncode == 130, stderr[-3000:]
     message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
     assert error_lines(stderr) == [message], stderr[-3000:]
+
+
+@pytest.mark.parametrize("program, batch_size, warning", [
+    ("image", 4, ("warning: full batches of --batch_size 4 on 1 process take 8 of the 11 training images, "
+                  "leaving 3 (27%) out of every epoch; a smaller --batch_size leaves fewer out")),
+    ("image", 1, None),
+    ("lm", 3, ("warning: full batches of --batch_size 3 on 1 process take 3 of the 4 training windows, "
+               "leaving 1 (25%) out of every epoch; a smaller --batch_size leaves fewer out")),
+    ("lm", 2, None),
+])
+def test_whole_batches_leaving_much_of_a_small_training_set_out_get_one_warning(program, batch_size, warning, data,
+                                                                                 tmp_path):
+    small = (["--data_dir", str(data / "few_images"), "--image_size", "8"] if program == "image"
+             else ["--data_path", str(data / "short.txt"), "--val_fraction", "0.5"])
+    result = run(command(program, [*tiny(program, data), *small, "--batch_size", str(batch_size),
+                                   "--output_dir", str(tmp_path / "run")]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if "warning" in line] == ([warning] if warning else [])
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_on_two_ranks_a_training_set_without_a_full_batch_names_the_batch_size_that_fits(program, data, tmp_path):
+    small = (["--data_dir", str(data / "few_images"), "--image_size", "8", "--batch_size", "8"] if program == "image"
+             else ["--data_path", str(data / "short.txt"), "--val_fraction", "0.5", "--batch_size", "4"])
+    expected = ("11 training images make no full batch of 8 per process (2 processes): use --batch_size 5 or less"
+                if program == "image" else
+                "4 training windows make no full batch of 4 per process (2 processes): use --batch_size 2 or less")
+    launched = launch("cpu_ddp.yaml", IMAGE if program == "image" else LM, *tiny(program, data), *small,
+                      "--output_dir", str(tmp_path / "run"), launcher_args=("-q",))
+    assert launched.returncode == 1, launched.stderr[-3000:]  # accelerate launch's own code for any failure
+    errors = [line for line in error_lines(launched.stderr) if line.startswith("error:")]
+    assert errors == [f"error: {expected}"], launched.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("program", ["image", "lm"])
