@@ -81,12 +81,25 @@ def _report(message: str, code: int, every_rank: bool = False) -> None:
     sys.exit(code)
 
 
+def _out_of_memory(error: BaseException) -> str | None:
+    """If `error` says memory (host or GPU) ran out: " allocating <size>", or "" when it does not say; else None."""
+    torch = sys.modules.get("torch")  # never imported here: the search runner has no torch
+    if not (isinstance(error, MemoryError) or (torch is not None and isinstance(error, torch.OutOfMemoryError))
+            or (isinstance(error, RuntimeError) and "can't allocate memory" in str(error))):
+        return None
+    size = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]iB)", str(error))
+    if size is None:
+        return ""
+    amount, unit = size.groups()
+    return f" allocating {int(amount) / 2**30:,.1f} GiB" if unit == "bytes" else f" allocating {amount} {unit}"
+
+
 def report_usage_errors(main: F) -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
 
-    UsageError -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine,
-    as every rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number;
-    Ctrl-C -> 130.
+    UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
+    (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
+    that noticed, with its number; Ctrl-C -> 130.
     """
 
     @functools.wraps(main)
@@ -107,7 +120,9 @@ def report_usage_errors(main: F) -> F:
         except KeyboardInterrupt:
             _report("interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto",
                     EXIT_INTERRUPTED)
-        except RuntimeError as error:
+        except (MemoryError, RuntimeError) as error:
+            if (memory := _out_of_memory(error)) is not None:
+                _report(f"out of memory{memory}: lower --batch_size or the model's size", EXIT_USAGE)
             if not is_rank_lost(error):
                 raise
             rank = os.environ.get("RANK", "0")

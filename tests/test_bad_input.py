@@ -53,6 +53,7 @@ def lm_checkpoint() -> str:
 
 
 NOT_WRITABLE = "/proc/1"  # a folder even root cannot write in (os.access says so too)
+HUGE = str(2**40)  # channels: a first layer of terabytes, which no allocator grants
 
 
 CASES = {
@@ -74,6 +75,7 @@ CASES = {
                                   "tracker must be one of wandb, none, got 'tensorboard'"),
     "image/invalid-wandb-project": Case("image", ("--tracker", "wandb", "--wandb_project", "team/project"),
                                        "wandb_project 'team/project': W&B takes 1 to 128 characters, none of"),
+    "image/model-too-big-for-memory": Case("image", ("--width", HUGE), "out of memory allocating "),
     # -- image template: data
     "image/missing-data-dir": Case("image", ("--data_dir", "{data}/no_such_folder"), "no_such_folder: no such folder"),
     "image/empty-data-dir": Case("image", ("--data_dir", "{data}/empty"), "need at least 2 class folders"),
@@ -137,6 +139,7 @@ CASES = {
     "lm/num-workers-below-minus-1": Case("lm", ("--num_workers", "-2"), "num_workers must be at least -1, got -2"),
     "lm/unknown-tracker": Case("lm", ("--tracker", "tensorboard"),
                                "tracker must be one of wandb, none, got 'tensorboard'"),
+    "lm/model-too-big-for-memory": Case("lm", ("--n_embd", HUGE, "--n_head", "1"), "out of memory allocating "),
     "lm/output-dir-not-writable": Case("lm", (), f"--output_dir {NOT_WRITABLE}/run cannot be created: {NOT_WRITABLE} "
                                        "is not writable", output=f"{NOT_WRITABLE}/run"),
     "lm/output-dir-is-a-file": Case("lm", (), "--output_dir {lm_run}/run.json is a file, not a folder",
