@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset, Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside templates/ or beside this file
+HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
+sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from accelerate.utils import set_seed  # noqa: E402
 
