@@ -399,6 +399,17 @@ def test_on_two_ranks_a_training_set_without_a_full_batch_names_the_batch_size_t
     assert not (tmp_path / "run").exists()
 
 
+def test_accelerate_launch_q_leaves_only_the_line_on_one_process_and_torchrun_adds_a_summary_on_two():
+    """What README, "Errors and exit codes", says of `accelerate launch -q`."""
+    line = "error: --epochs: expected an integer, got 'abc'"
+    one = launch("cpu.yaml", IMAGE, "--epochs=abc", launcher_args=("-q",))
+    assert (one.returncode, one.stdout, error_lines(one.stderr)) == (1, "", [line]), one.stderr
+    two = launch("cpu_ddp.yaml", IMAGE, "--epochs=abc", launcher_args=("-q",))
+    lines = error_lines(two.stderr)
+    assert two.returncode == 1 and lines[0] == line and line not in lines[1:], two.stderr
+    assert "templates/image_classification.py FAILED" in two.stderr and 12 <= len(lines) <= 40, two.stderr
+
+
 @pytest.mark.parametrize("program", ["image", "lm"])
 def test_non_finite_gradients_before_any_checkpoint_say_there_is_none(program, data, tmp_path):
     """A finite but absurd learning rate: refused only when it blows up, and then without promising a checkpoint."""
