@@ -94,13 +94,16 @@ def _out_of_memory(error: BaseException) -> str | None:
     return f" allocating {int(amount) / 2**30:,.1f} GiB" if unit == "bytes" else f" allocating {amount} {unit}"
 
 
-def report_usage_errors(main: F) -> F:
+def report_usage_errors(main: F | None = None, *, interrupted: str = "") -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
 
     UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
     (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
-    that noticed, with its number; Ctrl-C -> 130.
+    that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
+    `@report_usage_errors(interrupted="...")`.
     """
+    if main is None:
+        return functools.partial(report_usage_errors, interrupted=interrupted)  # type: ignore[return-value]
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -118,8 +121,7 @@ def report_usage_errors(main: F) -> F:
             where = f" writing {error.filename}" if error.filename else ""
             _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
         except KeyboardInterrupt:
-            _report("interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto",
-                    EXIT_INTERRUPTED)
+            _report("interrupted by Ctrl-C" + (f"; {interrupted}" if interrupted else ""), EXIT_INTERRUPTED)
         except (MemoryError, RuntimeError) as error:
             if (memory := _out_of_memory(error)) is not None:
                 _report(f"out of memory{memory}: lower --batch_size or the model's size", EXIT_USAGE)

@@ -240,7 +240,7 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------- main
-@report_usage_errors
+@report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     check_output_dir(cfg.output_dir)  # before anything is written, on every rank
