@@ -215,6 +215,11 @@ class CheckpointManager:
         best = [p for p in self.complete_checkpoints() if p.name.startswith("best_step_")]
         return best[-1] if best else None
 
+    def kept(self) -> str:
+        """For an error message: the newest complete checkpoint (a resume starts there), or that there is none."""
+        existing = self.complete_checkpoints()
+        return f"the last good checkpoint is kept: {existing[-1]}" if existing else "no checkpoint was saved yet"
+
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoints that finished saving, oldest first (periodic before best at the same step)."""
         if not self.dir.is_dir():
@@ -356,6 +361,30 @@ _ABSENT = object()
 
 def _shown(value) -> str:
     return "(not set)" if value is _ABSENT else json.dumps(value)
+
+
+def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> None:
+    """Refuse an output folder that is a file, or that cannot be created or written, before anything is written.
+
+    It only looks (os.access, no probe file), so a refused command leaves no trace. Root may write
+    whatever the permission bits say; what even root cannot write (a read-only file system, /proc/1)
+    is refused all the same.
+    """
+    target = existing = Path(path)
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent  # the nearest folder that exists: the new ones are made in it
+        is_dir = existing.is_dir()
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot look at it ({error.strerror})") from None
+    if existing == target and not is_dir:
+        raise UsageError(f"{option} {path} is a file, not a folder")
+    if existing == target and not os.access(target, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: this folder is not writable")
+    if not is_dir:
+        raise UsageError(f"{option} {path} cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path} cannot be created: {existing} is not writable")
 
 
 def read_progress(path: Path) -> dict:
@@ -516,12 +545,15 @@ def _check_sharded(folder: Path) -> None:
 
 
 def _unpickling_reason(error: BaseException) -> str:
-    """The line of torch's weights-only refusal that names the culprit, not its advice to load the file unsafely."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        if not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation")):
-            return line
-    return lines[-1].split("WeightsUnpickler error:")[-1].strip() if lines else type(error).__name__
+    """What torch's weights-only unpickler refused ("Unsupported global: GLOBAL os.system ..."), without its
+    advice to load the file unsafely (`weights_only=False`) or to allowlist the culprit."""
+    text = str(error).split("WeightsUnpickler error:")[-1]  # newer torch: after its two options of unsafe loading
+    for line in (line.strip() for line in text.splitlines()):
+        if line and not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation",
+                                         "(1)", "(2)")):
+            reason = re.split(r"\.? Please use `", line)[0].rstrip(".")
+            return "an object it does not allow" if "weights_only" in reason else reason
+    return type(error).__name__
 
 
 def _wrapped(error: BaseException) -> list[BaseException]:
@@ -533,7 +565,26 @@ def _wrapped(error: BaseException) -> list[BaseException]:
 def _reason(error: BaseException) -> str:
     """One line saying what went wrong, also for the errors torch.distributed.checkpoint wraps."""
     inner = _wrapped(error)
-    return one_line(inner[0] if inner else error)
+    error = inner[0] if inner else error
+    if isinstance(error, RuntimeError) and str(error).startswith("Error(s) in loading state_dict"):
+        return _state_dict_mismatch(str(error))
+    return one_line(error)
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[(.*?)\]\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)")
+
+
+def _state_dict_mismatch(text: str, shown: int = 2) -> str:
+    """torch's load_state_dict complaint (a line per problem) as one line: the first few keys (and shapes) of each."""
+    sizes = [f"size mismatch for {m[1]}: checkpoint ({m[2]}), model ({m[3]})" for m in _SIZE_MISMATCH.finditer(text)]
+    parts = sizes[:shown] + ([f"{len(sizes) - shown} more size mismatches"] if len(sizes) > shown else [])
+    for kind, what in (("Missing", "model keys not in the checkpoint"), ("Unexpected", "keys the model lacks")):
+        line = re.search(rf"{kind} key\(s\) in state_dict: (.*)", text)
+        names = re.findall(r'"([^"]+)"', line[1]) if line else []
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        parts += [f"{what}: {', '.join(names[:shown])}{more}"] if names else []
+    return "; ".join(parts) or text.splitlines()[0]
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -10,6 +10,9 @@ Values come from three places: a person typing, `wandb agent` (which passes Pyth
 of each sampled value: `True`, `[64, 128]`, `0.00031`, sometimes `64.0` for an int) and YAML
 files. All three go through the same coercion, so a sweep can set anything a person can.
 Precedence: dataclass defaults < `--config` files (in the order given) < other options.
+
+A template's numbers are checked against the ranges in its `RANGES` class attribute (`check_ranges`,
+called from its `__post_init__`), and `--help` shows each one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -49,7 +53,10 @@ def parse_config(config_cls: type[T], argv: list[str] | None = None) -> T:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Help wins over any other mistake on the line: someone asking for help wants the listing.
     if "-h" in argv or "--help" in argv:
-        print(format_help(config_cls))
+        try:
+            print(format_help(config_cls), flush=True)
+        except BrokenPipeError:  # `--help | head` stopped reading: fine, and nothing more to say at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
 
     files, given = _split_argv(argv, field_types)
@@ -81,6 +88,63 @@ def config_to_dict(config: Any) -> dict:
     return dataclasses.asdict(config)
 
 
+def check_ranges(config: Any) -> None:
+    """Refuse (ValueError) any value of `config` outside its range in `type(config).RANGES`.
+
+    A number's range is an interval: `[1, 1024]` includes both ends, `(0, 1)` neither; an end of
+    `inf` (never included) means no bound, so a float with one must be finite; NaN is always refused.
+    A string's range is a tuple of its choices. Every int and float field needs a range: a template
+    without one fails loudly (TypeError).
+    """
+    ranges = getattr(type(config), "RANGES", {})
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        tp, _ = _unwrap_optional(hints[f.name])
+        value, allowed = getattr(config, f.name), ranges.get(f.name)
+        if isinstance(allowed, tuple):
+            if value not in allowed:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+            continue
+        if tp not in (int, float):
+            continue
+        if allowed is None:
+            raise TypeError(f"{type(config).__name__}.{f.name}: no entry in RANGES")
+        if value is None:
+            continue
+        low_open, low, high, high_open = _interval(allowed)
+        if tp is float and not math.isfinite(value) and (math.isinf(low) or math.isinf(high)):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+        below = not (value > low if low_open else value >= low)
+        above = not (value < high if high_open else value <= high)
+        if not (below or above):
+            continue
+        if tp is float and not (math.isinf(low) or math.isinf(high)):
+            expected = f"in {allowed}"
+        elif below:
+            expected = (">" if low_open else "at least" if tp is int else ">=") + f" {_number(low)}"
+        else:
+            expected = ("<" if high_open else "at most" if tp is int else "<=") + f" {_number(high)}"
+        raise ValueError(f"{f.name} must be {expected}, got {value}")
+
+
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+
+
+def _interval(text: str) -> tuple[bool, float, float, bool]:
+    match = _INTERVAL.match(text.strip())
+    try:
+        low, high = float(match.group(2)), float(match.group(3))
+    except (AttributeError, ValueError):
+        raise TypeError(f"range {text!r} is not an interval such as [0, 1) or (0, inf)") from None
+    if (math.isinf(low) and match.group(1) == "[") or (math.isinf(high) and match.group(4) == "]") or not low < high:
+        raise TypeError(f"range {text!r}: infinite ends are never included, and the low end comes first")
+    return match.group(1) == "(", low, high, match.group(4) == ")"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else str(value)
+
+
 def format_help(config_cls: type) -> str:
     """The `--help` text: every option with its type, default and help."""
     field_types = _field_types(config_cls)
@@ -95,6 +159,9 @@ def format_help(config_cls: type) -> str:
             continue
         default = _default(f)
         shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
+        allowed = getattr(config_cls, "RANGES", {}).get(f.name)
+        if allowed is not None:
+            shown += f", one of {', '.join(map(str, allowed))}" if isinstance(allowed, tuple) else f", range {allowed}"
         rows.append((f"--{f.name} {_type_name(field_types[f.name])}", shown, f.metadata.get("help", "")))
     rows.append(("--config FILE", "", "YAML mapping of option names to values; the command line wins."))
     rows.append(("-h, --help", "", "Show this message and exit."))

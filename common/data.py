@@ -112,6 +112,27 @@ def build_loader(
     )
 
 
+def check_full_batches(batches: int, samples: int, batch_size: int, processes: int, what: str) -> str | None:
+    """Refuse a training set that fills no batch on each process; warn when whole batches leave out much of it.
+
+    `batches` is the length of the prepared training loader: full batches per process and epoch
+    (training drops the last partial batch). Returns a warning when they leave out 10% or more of
+    the `samples` each epoch (a different part each time, as the order is reshuffled), else None.
+    """
+    procs = f"{processes} process{'es' if processes > 1 else ''}"
+    if batches == 0:
+        if samples < processes:
+            raise UsageError(f"{samples} {what} are too few for {procs}: each needs at least one")
+        raise UsageError(f"{samples} {what} make no full batch of {batch_size} per process ({procs}): "
+                         f"use --batch_size {samples // processes} or less")
+    used = batches * batch_size * processes
+    if samples - used >= 0.1 * samples:
+        left = samples - used
+        return (f"full batches of --batch_size {batch_size} on {procs} take {used} of the {samples} {what}, leaving "
+                f"{left} ({left / samples:.0%}) out of every epoch; a smaller --batch_size leaves fewer out")
+    return None
+
+
 def stable_fraction(key: str) -> float:
     """A number in [0, 1) fixed by `key` alone: the same on every machine, run and Python version."""
     digest = hashlib.sha256(key.encode("utf-8")).digest()

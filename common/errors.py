@@ -20,6 +20,7 @@ EXIT_NON_FINITE = 3  # the loss or the gradients became NaN/inf; the last good c
 EXIT_SAVE_FAILED = 4  # a checkpoint or the export could not be written (e.g. disk full); earlier checkpoints are intact
 EXIT_RANK_LOST = 5  # another rank died or did not answer within --timeout_s; the last complete checkpoint is kept
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue and resume (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it; the checkpoints saved before are intact
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -100,12 +101,29 @@ def _report(message: str, code: int, every_rank: bool = False) -> None:
     sys.exit(code)
 
 
-def report_usage_errors(main: F) -> F:
+def _out_of_memory(error: BaseException) -> str | None:
+    """If `error` says memory (host or GPU) ran out: " allocating <size>", or "" when it does not say; else None."""
+    torch = sys.modules.get("torch")  # never imported here: the search runner has no torch
+    if not (isinstance(error, MemoryError) or (torch is not None and isinstance(error, torch.OutOfMemoryError))
+            or (isinstance(error, RuntimeError) and "can't allocate memory" in str(error))):
+        return None
+    size = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]iB)", str(error))
+    if size is None:
+        return ""
+    amount, unit = size.groups()
+    return f" allocating {int(amount) / 2**30:,.1f} GiB" if unit == "bytes" else f" allocating {amount} {unit}"
+
+
+def report_usage_errors(main: F | None = None, *, interrupted: str = "") -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
 
-    UsageError -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine,
-    as every rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number.
+    UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
+    (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
+    that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
+    `@report_usage_errors(interrupted="...")`.
     """
+    if main is None:
+        return functools.partial(report_usage_errors, interrupted=interrupted)  # type: ignore[return-value]
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -135,7 +153,11 @@ def report_usage_errors(main: F) -> F:
                 raise
             where = f" writing {error.filename}" if error.filename else ""
             _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
-        except RuntimeError as error:
+        except KeyboardInterrupt:
+            _report("interrupted by Ctrl-C" + (f"; {interrupted}" if interrupted else ""), EXIT_INTERRUPTED)
+        except (MemoryError, RuntimeError) as error:
+            if (memory := _out_of_memory(error)) is not None:
+                _report(f"out of memory{memory}: lower --batch_size or the model's size", EXIT_USAGE)
             if not is_rank_lost(error):
                 raise
             rank = os.environ.get("RANK", "0")

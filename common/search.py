@@ -461,7 +461,8 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
                 print(f"error: {failures} trials in a row failed; see their trial.log (this worker stops)", file=sys.stderr, flush=True)
                 break
     except (KeyboardInterrupt, Interrupted) as error:
-        print(f"interrupted ({error or 'SIGINT'}); run the same command to continue the study", file=sys.stderr, flush=True)
+        by = str(error) or "Ctrl-C"  # Interrupted carries the signal's name; Ctrl-C raises a bare KeyboardInterrupt
+        print(f"error: interrupted by {by}; run the same command to continue the study", file=sys.stderr, flush=True)
         write_results(study, sweep, study_dir, storage_spec, target)
         raise SystemExit(130) from None
     finally:

@@ -15,6 +15,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -22,18 +23,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside templates/ or beside this file
+HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
+sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from accelerate.utils import set_seed  # noqa: E402
 
-from common.accelerator import build_accelerator, describe  # noqa: E402
-from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
-from common.config import config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, default_num_workers, split_by_key, split_indices  # noqa: E402
+from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
+from common.checkpoint import CheckpointManager, check_output_dir, export_weights  # noqa: E402
+from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
+from common.data import build_loader, check_full_batches, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar, say, sweep_run_dir  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -70,17 +72,21 @@ class Config:
     wandb_project: str = field(default="image-classification-template", metadata={"help": "W&B project name."})
     timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
 
+    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
+    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
+    RANGES: ClassVar[dict] = {
+        "image_size": "[1, 1024]", "val_fraction": "(0, 1)", "epochs": "[1, inf)", "batch_size": "[1, inf)",
+        "gradient_accumulation_steps": "[1, inf)", "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING,
+        "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)", "grad_clip": "[0, inf)", "width": "[1, inf)",
+        "depth": "[1, inf)", "dropout": "[0, 1)", "label_smoothing": "[0, 1)", "num_workers": "[-1, 128]",
+        "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]", "checkpoint_every_steps": "[0, inf)",
+        "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)", "log_every_steps": "[1, inf)", "tracker": TRACKERS,
+        "timeout_s": "[1, 604800]",
+    }
+
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "gradient_accumulation_steps", "width", "depth", "image_size", "keep_last", "log_every_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for name in ("weight_decay", "warmup_steps", "grad_clip", "checkpoint_every_steps", "stop_after_steps", "label_smoothing"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_ranges(self)
+        check_wandb_project(self.wandb_project)
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -136,15 +142,19 @@ def load_datasets(cfg: Config) -> Images:
         return Images(Subset(full, train_idx), Subset(full, val_idx), 1, [str(d) for d in range(10)], 8)
     root = Path(cfg.data_dir)
     if not root.is_dir():
-        raise UsageError(f"--data_dir {root}: no such folder")
-    if (root / "train").is_dir() and (root / "val").is_dir():
-        train_paths, train_labels, classes = list_images(root / "train")
-        val_paths, val_labels, _ = list_images(root / "val", classes)
-    else:
-        paths, labels, classes = list_images(root)
-        train_idx, val_idx = split_by_key([str(p.relative_to(root)) for p in paths], cfg.val_fraction)
-        train_paths, train_labels = [paths[i] for i in train_idx], [labels[i] for i in train_idx]
-        val_paths, val_labels = [paths[i] for i in val_idx], [labels[i] for i in val_idx]
+        raise UsageError(f"--data_dir {root} is a file, not a folder of class folders" if root.exists() else
+                         f"--data_dir {root}: no such folder")
+    try:
+        if (root / "train").is_dir() and (root / "val").is_dir():
+            train_paths, train_labels, classes = list_images(root / "train")
+            val_paths, val_labels, _ = list_images(root / "val", classes)
+        else:
+            paths, labels, classes = list_images(root)
+            train_idx, val_idx = split_by_key([str(p.relative_to(root)) for p in paths], cfg.val_fraction)
+            train_paths, train_labels = [paths[i] for i in train_idx], [labels[i] for i in train_idx]
+            val_paths, val_labels = [paths[i] for i in val_idx], [labels[i] for i in val_idx]
+    except OSError as error:  # a folder without read permission
+        raise UsageError(f"--data_dir {root}: cannot read {error.filename} ({error.strerror})") from None
     if len(classes) < 2 or not train_paths or not val_paths:
         raise UsageError(
             f"--data_dir {root}: need at least 2 class folders with images ({', '.join(sorted(IMAGE_SUFFIXES))}) "
@@ -236,10 +246,11 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------- main
-@report_usage_errors
+@report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
+    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
     accelerator = build_accelerator(
         seed=cfg.seed,
         mixed_precision=cfg.mixed_precision,
@@ -258,8 +269,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
     micro_batches = len(train_loader)
-    if micro_batches == 0:
-        raise UsageError(f"{len(train_set)} training images make no full batch of {cfg.batch_size} per process")
+    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
+    warning = check_full_batches(micro_batches, len(train_set), cfg.batch_size, accelerator.num_processes,
+                                 "training images")
+    if warning:
+        accelerator.print(f"warning: {warning}")
     steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
 
@@ -304,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                     if not torch.isfinite(grad_norm) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
-                                             f"the last good checkpoint is kept in {ckpt.dir}")
+                                             f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1

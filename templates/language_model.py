@@ -21,6 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -29,18 +30,21 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset, Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside templates/ or beside this file
+HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
+sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from accelerate.utils import set_seed  # noqa: E402
 
-from common.accelerator import build_accelerator, describe  # noqa: E402
-from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
-from common.config import config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, split_by_key  # noqa: E402
+from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
+from common.checkpoint import (  # noqa: E402
+    MAY_CHANGE_ON_RESUME, CheckpointManager, check_output_dir, export_weights, load_exported,
+)
+from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
+from common.data import build_loader, check_full_batches, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
-from common.optim import scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar, say, sweep_run_dir  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -83,7 +87,10 @@ class Config:
     prompt: str = field(default="def ", metadata={"help": "Text the sample at the end continues (byte-level data only)."})
     sample_tokens: int = field(default=200, metadata={"help": "Tokens to sample at the end (0: no sample)."})
     temperature: float = field(default=0.8, metadata={"help": "Sampling temperature of that sample."})
-    num_workers: int = field(default=0, metadata={"help": "Loader workers per process. 0 reads in the training process: a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a worker (bench/data_loading.py); raise it for slow storage."})
+    num_workers: int = field(default=0, metadata={"help": (
+        "Loader workers per process; -1 picks for the data, which here is 0: reading in the training process, as "
+        "a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a worker "
+        "(bench/data_loading.py). Raise it for slow storage.")})
     mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
     seed: int = field(default=0, metadata={"help": "Seeds init, data order and dropout."})
     resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
@@ -96,25 +103,25 @@ class Config:
     wandb_project: str = field(default="language-model-template", metadata={"help": "W&B project name."})
     timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
 
+    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
+    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
+    RANGES: ClassVar[dict] = {
+        "val_fraction": "(0, 1)", "vocab_size": "[0, 65536]", "eval_every_steps": "[0, inf)",
+        "max_steps": "[1, 99999999]",  # checkpoint folders are named with 8 digits: step_00001000
+        "eval_batches": "[1, inf)", "batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
+        "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING, "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)",
+        "grad_clip": "[0, inf)", "block_size": "[1, inf)", "n_layer": "[1, inf)", "n_head": "[1, inf)",
+        "n_embd": "[1, inf)", "dropout": "[0, 1)", "sample_tokens": "[0, inf)", "temperature": "[0.001, inf)",
+        "num_workers": "[-1, 128]", "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]",
+        "checkpoint_every_steps": "[0, inf)", "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)",
+        "log_every_steps": "[1, inf)", "peak_tflops": "[0, inf)", "tracker": TRACKERS, "timeout_s": "[1, 604800]",
+    }
+
     def __post_init__(self):
-        for name in ("max_steps", "eval_batches", "batch_size", "gradient_accumulation_steps", "block_size", "n_layer",
-                     "n_head", "n_embd", "keep_last", "log_every_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_ranges(self)
+        check_wandb_project(self.wandb_project)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        for name in ("vocab_size", "eval_every_steps", "weight_decay", "warmup_steps", "grad_clip", "checkpoint_every_steps",
-                     "stop_after_steps", "sample_tokens", "peak_tflops", "num_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -167,11 +174,18 @@ def stdlib_sources() -> tuple[Path, list[Path]]:
 
 
 def read_text_files(files: list[Path]) -> np.ndarray:
-    return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
+    try:
+        return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
+    except OSError as error:
+        raise UsageError(f"cannot read {error.filename} ({error.strerror})") from None
 
 
 def token_file(path: Path) -> Path:
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+        path.open("rb").close()  # it is memory-mapped later, in the loader
+    except OSError as error:
+        raise UsageError(f"cannot read token file {path} ({error.strerror})") from None
     if size == 0:
         raise UsageError(f"token file {path} is empty")
     if size % 2:
@@ -343,6 +357,8 @@ def build_model(cfg: Config, vocab_size: int) -> GPT:
 def exported_positions(path: Path) -> int | None:
     from safetensors import SafetensorError, safe_open
 
+    if path.is_dir():
+        raise UsageError(f"--init_from {path} is a folder, not a model.safetensors export")
     try:
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_slice("wpe.weight").get_shape()[0] if "wpe.weight" in handle.keys() else None
@@ -395,10 +411,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # ----------------------------------------------------------------------------------------- main
-@report_usage_errors
+@report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
+    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
     accelerator = build_accelerator(
         seed=cfg.seed,
         mixed_precision=cfg.mixed_precision,
@@ -414,13 +431,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # Validation: the same evenly spread windows every time and for any number of processes.
     eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
     val_set = Subset(corpus.val, np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int)).tolist())
-    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=cfg.num_workers)
+    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index,
+                       num_workers=max(0, cfg.num_workers))  # -1 (pick for the data) is 0: see --help
     train_loader = build_loader(corpus.train, batch_size=cfg.batch_size, train=True, **loader_args)
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
     micro_batches = len(train_loader)
-    if micro_batches == 0:
-        raise UsageError(f"{len(corpus.train)} training windows make no full batch of {cfg.batch_size} per process")
+    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
+    warning = check_full_batches(micro_batches, len(corpus.train), cfg.batch_size, accelerator.num_processes,
+                                 "training windows")
+    if warning:
+        accelerator.print(f"warning: {warning}")
 
     model = build_model(cfg, corpus.vocab_size)
     model_info = {"model": model.options, "byte_level": corpus.byte_level}  # what using the model needs, with the run
@@ -486,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                     if not torch.isfinite(grad_norm) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
-                                             f"the last good checkpoint is kept in {ckpt.dir}")
+                                             f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1

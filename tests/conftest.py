@@ -94,6 +94,28 @@ def copy_template_alone(name: str, root: Path) -> tuple[Path, dict[str, str]]:
     return app, env
 
 
+def copy_into_monorepo(name: str, root: Path, shadow: str) -> tuple[Path, dict[str, str]]:
+    """templates/<name>.py as `train.py` and common/ copied into `root/parent/proj`, a project inside a
+    repository whose `root/parent` has a `common` of its own: a module (shadow="module") or a package
+    without accelerator.py ("package"), also on PYTHONPATH. Returns the project folder and the environment."""
+    parent = root / "parent"
+    proj = parent / "proj"
+    proj.mkdir(parents=True)
+    shutil.copy2(REPO / "templates" / f"{name}.py", proj / "train.py")
+    shutil.copytree(REPO / "common", proj / "common", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if shadow == "module":
+        (parent / "common.py").write_text("OWNER = 'the monorepo'\n")
+    else:
+        (parent / "common").mkdir()
+        (parent / "common" / "__init__.py").write_text("OWNER = 'the monorepo'\n")
+        (parent / "common" / "strings.py").write_text("def shout(text):\n    return text.upper()\n")
+    env = clean_env(PYTHONPATH=str(parent))  # the monorepo's root on the path, as such repositories often set
+    probe = subprocess.run([sys.executable, "-c", "import common; print(common.OWNER)"], cwd=parent, env=env,
+                           capture_output=True, text=True, check=False)
+    assert probe.stdout.strip() == "the monorepo", probe.stderr  # what a plain `import common` finds there
+    return proj, env
+
+
 def load_template(name: str):
     """Import templates/<name>.py as a module (registered in sys.modules, as dataclasses need)."""
     module_name = f"template_{name}"

@@ -10,11 +10,17 @@ README's figure.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +29,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, launch, load_template
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -46,6 +52,10 @@ def lm_checkpoint() -> str:
     return "{lm_run}/checkpoints/step_00000002"
 
 
+NOT_WRITABLE = "/proc/1"  # a folder even root cannot write in (os.access says so too)
+HUGE = str(2**40)  # channels: a first layer of terabytes, which no allocator grants
+
+
 CASES = {
     # -- image template: flags and values
     "image/unknown-flag": Case("image", ("--epoch", "3"), "unknown option --epoch (did you mean --epochs?)"),
@@ -54,21 +64,51 @@ CASES = {
     "image/batch-size-0": Case("image", ("--batch_size", "0"), "batch_size must be at least 1, got 0"),
     "image/accumulation-0": Case("image", ("--gradient_accumulation_steps", "0"), "gradient_accumulation_steps must be at least 1, got 0"),
     "image/dropout-out-of-range": Case("image", ("--dropout", "1.5"), "dropout must be in [0, 1), got 1.5"),
+    "image/label-smoothing-2": Case("image", ("--label_smoothing", "2"), "label_smoothing must be in [0, 1), got 2.0"),
+    "image/learning-rate-inf": Case("image", ("--learning_rate", "inf"),
+                                    "learning_rate must be a finite number, got inf"),
+    "image/num-workers-below-minus-1": Case("image", ("--num_workers", "-2"),
+                                            "num_workers must be at least -1, got -2"),
+    "image/image-size-huge": Case("image", ("--data_dir", "{data}/few_images", "--image_size", "100000"),
+                                  "image_size must be at most 1024, got 100000"),
+    "image/unknown-tracker": Case("image", ("--tracker", "tensorboard"),
+                                  "tracker must be one of wandb, none, got 'tensorboard'"),
+    "image/invalid-wandb-project": Case("image", ("--tracker", "wandb", "--wandb_project", "team/project"),
+                                       "wandb_project 'team/project': W&B takes 1 to 128 characters, none of"),
+    "image/model-too-big-for-memory": Case("image", ("--width", HUGE), "out of memory allocating "),
     # -- image template: data
     "image/missing-data-dir": Case("image", ("--data_dir", "{data}/no_such_folder"), "no_such_folder: no such folder"),
     "image/empty-data-dir": Case("image", ("--data_dir", "{data}/empty"), "need at least 2 class folders"),
+    "image/data-dir-is-a-file": Case("image", ("--data_dir", "{data}/corpus.txt"),
+                                     "--data_dir {data}/corpus.txt is a file, not a folder of class folders"),
+    "image/too-few-images-for-a-batch": Case("image", ("--data_dir", "{data}/few_images", "--image_size", "8",
+                                                       "--batch_size", "64"),
+                                             "11 training images make no full batch of 64 per process (1 process): "
+                                             "use --batch_size 11 or less"),
     "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8", "--num_workers", "0"),
                                 "cannot read image {data}/images/", output="{fresh}"),
     "image/corrupt-image-in-a-worker": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8",
                                                       "--num_workers", "2"), "cannot read image {data}/images/", output="{fresh}"),
     # -- image template: checkpoints and output folders
-    "image/checkpoint-of-another-shape": Case("image", ("--width", "16"), "does not fit this model and optimizer: "),
+    "image/checkpoint-of-another-shape": Case("image", ("--width", "16"),
+                                              "does not fit this model and optimizer: size mismatch for "
+                                              "features.0.weight: checkpoint (8, 1, 3, 3), model (16, 1, 3, 3); "),
+    "image/unsafe-checkpoint": Case("image", ("--resume", "{data}/tampered_image"),
+                                    "refused optimizer.bin: it holds more than plain data, loading it could run code "
+                                    "(Unsupported global: GLOBAL argparse.Namespace"),
     "image/checkpoint-of-another-template": Case("image", ("--resume", lm_checkpoint()),
                                                  "was written by template 'language_model', not 'image_classification'"),
     "image/resume-path-missing": Case("image", ("--resume", "{data}/no_such_checkpoint"), "no_such_checkpoint: no such checkpoint folder"),
     "image/folder-of-another-run": Case("image", ("--resume", "none"), "already holds checkpoints of a run (newest: "),
     "image/folder-of-another-template": Case("image", (), "holds a run of template 'language_model'; choose another --output_dir",
                                              output="{lm_run}"),
+    "image/output-dir-is-a-file": Case("image", (), "--output_dir {image_run}/metrics.jsonl is a file, not a folder",
+                                       output="{image_run}/metrics.jsonl"),
+    "image/output-dir-under-a-file": Case("image", (), "--output_dir {image_run}/model.safetensors/run cannot be "
+                                          "created: {image_run}/model.safetensors is a file, not a folder",
+                                          output="{image_run}/model.safetensors/run"),
+    "image/output-dir-not-writable": Case("image", (), f"--output_dir {NOT_WRITABLE}: this folder is not writable",
+                                          output=NOT_WRITABLE),
     # -- config files
     "config/missing": Case("image", ("--config", "{data}/missing.yaml"), "missing.yaml: not found"),
     "config/not-yaml": Case("image", ("--config", "{data}/broken.yaml"), "broken.yaml: not valid YAML"),
@@ -80,10 +120,30 @@ CASES = {
     "lm/missing-corpus": Case("lm", ("--data_path", "{data}/no_such_corpus.txt"), "no_such_corpus.txt: no such file or folder"),
     "lm/empty-corpus": Case("lm", ("--data_path", "{data}/empty.txt"), "empty corpus, no bytes to train on"),
     "lm/corpus-too-short-for-a-batch": Case("lm", ("--data_path", "{data}/short.txt", "--val_fraction", "0.5"),
-                                            "4 training windows make no full batch of 8 per process"),
+                                            "4 training windows make no full batch of 8 per process (1 process): "
+                                            "use --batch_size 4 or less"),
     "lm/odd-token-file": Case("lm", ("--data_path", "{data}/odd.bin"), "has 3 bytes, not a multiple of 2"),
+    "lm/unreadable-corpus": Case("lm", ("--data_path", "/proc/1/mem"), "cannot read /proc/1/mem ("),  # even for root
+    "lm/init-from-a-folder": Case("lm", ("--init_from", "{data}"), "--init_from {data} is a folder, not a model"),
     "lm/checkpoint-of-another-shape": Case("lm", ("--data_path", "{data}/corpus.txt", "--n_embd", "64"),
-                                           "does not fit this model and optimizer: "),
+                                           "does not fit this model and optimizer: size mismatch for wte.weight: "
+                                           "checkpoint (256, 32), model (256, 64); "),
+    "lm/unsafe-checkpoint": Case("lm", ("--resume", "{data}/tampered_lm"),
+                                 "refused random_states_0.pkl: it holds more than plain data, loading it could run "
+                                 "code (Unsupported global: GLOBAL argparse.Namespace"),
+    "lm/learning-rate-inf": Case("lm", ("--learning_rate", "inf"), "learning_rate must be a finite number, got inf"),
+    "lm/dropout-nan": Case("lm", ("--dropout", "nan"), "dropout must be in [0, 1), got nan"),
+    "lm/temperature-0": Case("lm", ("--temperature", "0"), "temperature must be >= 0.001, got 0.0"),
+    "lm/vocab-size-beyond-uint16": Case("lm", ("--vocab_size", "100000"),
+                                        "vocab_size must be at most 65536, got 100000"),
+    "lm/num-workers-below-minus-1": Case("lm", ("--num_workers", "-2"), "num_workers must be at least -1, got -2"),
+    "lm/unknown-tracker": Case("lm", ("--tracker", "tensorboard"),
+                               "tracker must be one of wandb, none, got 'tensorboard'"),
+    "lm/model-too-big-for-memory": Case("lm", ("--n_embd", HUGE, "--n_head", "1"), "out of memory allocating "),
+    "lm/output-dir-not-writable": Case("lm", (), f"--output_dir {NOT_WRITABLE}/run cannot be created: {NOT_WRITABLE} "
+                                       "is not writable", output=f"{NOT_WRITABLE}/run"),
+    "lm/output-dir-is-a-file": Case("lm", (), "--output_dir {lm_run}/run.json is a file, not a folder",
+                                    output="{lm_run}/run.json"),
     # -- the search runner
     "search/unknown-flag": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trial", "3"), "unknown option --n_trial (did you mean --n_trials?)"),
     "search/n-trials-0": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trials", "0"), "n_trials must be at least 1"),
@@ -103,7 +163,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 def write_data(data: Path) -> None:
     from PIL import Image
 
-    (data / "empty").mkdir(parents=True)
+    (data / "empty").mkdir()
     for c, name in enumerate(("red", "green", "blue")):
         (data / "images" / name).mkdir(parents=True)
         for i in range(8):
@@ -111,6 +171,11 @@ def write_data(data: Path) -> None:
             color[c] = 100 + 15 * i
             Image.new("RGB", (20, 20), tuple(color)).save(data / "images" / name / f"{i}.png")
     (data / "images" / "green" / "broken.png").write_bytes(b"these bytes are no PNG")  # corrupt, in one split or the other
+    for c, name in enumerate(("red", "green", "blue")):  # 15 good images, 11 of them to train on
+        (data / "few_images" / name).mkdir(parents=True)
+        for i in range(5):
+            color = tuple(60 + 60 * (k == c) + 10 * i for k in range(3))
+            Image.new("RGB", (8, 8), color).save(data / "few_images" / name / f"{i}.png")
     (data / "broken.yaml").write_text("epochs: [1, 2\n")
     (data / "wrong_type.yaml").write_text("label_smoothing: lots\n")
     (data / "unknown_key.yaml").write_text("max_step: 10\n")
@@ -133,6 +198,18 @@ def write_data(data: Path) -> None:
     (data / "missing_config_sweep.yaml").write_text(yaml.safe_dump(missing_config))
 
 
+def tampered_copy(checkpoint: Path, copy: Path, victim: str) -> None:
+    """A copy of `checkpoint` whose `victim` pickle also holds an object outside torch's weights-only allowlist
+    (harmless here; torch's refusal of it advises loading with weights_only=False, which must not be passed on)."""
+    import argparse
+
+    import torch
+
+    shutil.copytree(checkpoint, copy)
+    original = torch.load(checkpoint / victim, weights_only=False)  # our own file: safe to load fully here
+    torch.save({"original": original, "extra": argparse.Namespace(note="not plain data")}, copy / victim)
+
+
 def command(program: str, args: list[str]) -> list[str]:
     if program == "search":
         return [sys.executable, "-m", "common.search", *args]
@@ -144,11 +221,17 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
+def data(tmp_path_factory) -> Path:
+    data = tmp_path_factory.mktemp("bad_input_data")
+    write_data(data)
+    return data
+
+
+@pytest.fixture(scope="module")
+def battery(tmp_path_factory, data):
     """Finished runs of both templates and a one-trial study, then every case against its own copy of them."""
     root = tmp_path_factory.mktemp("bad_input")
-    data, existing = root / "data", root / "existing"
-    write_data(data)
+    existing = root / "existing"
     prepare = [
         command("image", [*TINY_IMAGE, "--output_dir", str(existing / "image_run")]),
         command("lm", [*TINY_LM, "--data_path", str(data / "corpus.txt"), "--output_dir", str(existing / "lm_run")]),
@@ -158,6 +241,9 @@ def battery(tmp_path_factory):
         for result in pool.map(run, prepare):
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert (existing / "lm_run" / "checkpoints" / "step_00000002").is_dir()
+    image_checkpoint = max((existing / "image_run" / "checkpoints").glob("step_*"))
+    tampered_copy(image_checkpoint, data / "tampered_image", "optimizer.bin")
+    tampered_copy(existing / "lm_run" / "checkpoints" / "step_00000002", data / "tampered_lm", "random_states_0.pkl")
 
     def one(name: str):
         case = CASES[name]
@@ -195,8 +281,141 @@ def test_bad_input_is_one_error_line_and_changes_nothing_saved(battery, name):
     lines = [line for line in re.split(r"[\r\n]+", result.stderr) if line.strip() and not PROGRESS_BAR.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), shown
     assert expected in lines[0], (expected, lines[0])
+    assert "weights_only" not in lines[0]  # torch's advice to load a refused file unsafely is not passed on
     assert "Traceback" not in result.stdout + result.stderr, shown
     assert after == before, sorted(set(after.items()) ^ set(before.items()))[:5]
     fresh = places["fresh"]
     if fresh.exists():  # a new run that failed on its data: it published no checkpoint
         assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
+
+
+# --------------------------------------------------------------------------- beyond the battery
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in re.split(r"[\r\n]+", stderr) if line.strip() and not PROGRESS_BAR.match(line)]
+
+
+def tiny(program: str, data: Path) -> list[str]:
+    return TINY_IMAGE if program == "image" else [*TINY_LM, "--data_path", str(data / "corpus.txt")]
+
+
+def out_of_range(low_open: bool, low: float, high: float, high_open: bool, is_int: bool) -> list[float]:
+    """Values just outside an interval (and, for floats, inf and NaN, which no range admits)."""
+    values = [] if is_int else [math.inf, -math.inf, math.nan]
+    if math.isfinite(low):
+        values.append(low if low_open else (low - 1 if is_int else math.nextafter(low, -math.inf)))
+    if math.isfinite(high):
+        values.append(high if high_open else (high + 1 if is_int else math.nextafter(high, math.inf)))
+    return [int(v) if is_int else v for v in values]
+
+
+def test_every_option_of_both_templates_has_a_range_checked_alike_and_shown_by_help(capsys):
+    from common.config import _interval, format_help
+
+    configs = {name: load_template(name).Config for name in ("image_classification", "language_model")}
+    for name, config in configs.items():
+        assert config().RANGES is config.RANGES and "RANGES" not in {f.name for f in dataclasses.fields(config)}
+        for f in dataclasses.fields(config):
+            kind = typing.get_type_hints(config)[f.name]
+            allowed = config.RANGES.get(f.name)
+            if kind in (int, float):
+                assert isinstance(allowed, str), f"{name}: --{f.name} has no range"
+                low_open, low, high, high_open = _interval(allowed)
+                for end in (low, high):  # a closed end is allowed (n_embd 1 still needs n_head 1)
+                    if math.isfinite(end) and (end == low and not low_open or end == high and not high_open):
+                        config(**{f.name: kind(end)}, **({"n_head": 1} if f.name == "n_embd" else {}))
+                for bad in out_of_range(low_open, low, high, high_open, kind is int):
+                    with pytest.raises(ValueError, match=f"^{f.name} must be "):
+                        config(**{f.name: bad})
+            elif isinstance(allowed, tuple):  # strings with choices
+                with pytest.raises(ValueError, match=f"^{f.name} must be one of "):
+                    config(**{f.name: "bogus"})
+            if allowed is not None:
+                shown = f"one of {', '.join(allowed)}" if isinstance(allowed, tuple) else f"range {allowed}"
+                assert f"--{f.name} " in format_help(config) and shown in format_help(config).split(f"--{f.name} ")[1]
+    image, lm = (c.RANGES for c in configs.values())
+    assert {k: v for k, v in image.items() if k in lm} == {k: v for k, v in lm.items() if k in image}  # the same way
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
+    """`python templates/x.py --help | head`: head may be gone before the help is written."""
+    child = subprocess.Popen(command(program, ["--help"]), cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    child.stdout.close()  # before the template has even imported torch: its help meets a closed pipe
+    stderr = child.stderr.read()
+    assert child.wait(timeout=120) == 0 and stderr == "", stderr
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
+    longer = ["--epochs", "1000"] if program == "image" else ["--max_steps", "100000"]
+    child = subprocess.Popen(command(program, [*tiny(program, data), *longer, "--output_dir", str(tmp_path / "run")]),
+                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        for line in child.stdout:  # printed just before the training loop starts
+            if "optimizer steps" in line:
+                break
+        time.sleep(1)
+        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the terminal's whole foreground group
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130, stderr[-3000:]
+    message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
+    assert error_lines(stderr) == [message], stderr[-3000:]
+
+
+@pytest.mark.parametrize("program, batch_size, warning", [
+    ("image", 4, ("warning: full batches of --batch_size 4 on 1 process take 8 of the 11 training images, "
+                  "leaving 3 (27%) out of every epoch; a smaller --batch_size leaves fewer out")),
+    ("image", 1, None),
+    ("lm", 3, ("warning: full batches of --batch_size 3 on 1 process take 3 of the 4 training windows, "
+               "leaving 1 (25%) out of every epoch; a smaller --batch_size leaves fewer out")),
+    ("lm", 2, None),
+])
+def test_whole_batches_leaving_much_of_a_small_training_set_out_get_one_warning(program, batch_size, warning, data,
+                                                                                 tmp_path):
+    small = (["--data_dir", str(data / "few_images"), "--image_size", "8"] if program == "image"
+             else ["--data_path", str(data / "short.txt"), "--val_fraction", "0.5"])
+    result = run(command(program, [*tiny(program, data), *small, "--batch_size", str(batch_size),
+                                   "--output_dir", str(tmp_path / "run")]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if "warning" in line] == ([warning] if warning else [])
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_on_two_ranks_a_training_set_without_a_full_batch_names_the_batch_size_that_fits(program, data, tmp_path):
+    small = (["--data_dir", str(data / "few_images"), "--image_size", "8", "--batch_size", "8"] if program == "image"
+             else ["--data_path", str(data / "short.txt"), "--val_fraction", "0.5", "--batch_size", "4"])
+    expected = ("11 training images make no full batch of 8 per process (2 processes): use --batch_size 5 or less"
+                if program == "image" else
+                "4 training windows make no full batch of 4 per process (2 processes): use --batch_size 2 or less")
+    launched = launch("cpu_ddp.yaml", IMAGE if program == "image" else LM, *tiny(program, data), *small,
+                      "--output_dir", str(tmp_path / "run"), launcher_args=("-q",))
+    assert launched.returncode == 1, launched.stderr[-3000:]  # accelerate launch's own code for any failure
+    errors = [line for line in error_lines(launched.stderr) if line.startswith("error:")]
+    assert errors == [f"error: {expected}"], launched.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_accelerate_launch_q_leaves_only_the_line_on_one_process_and_torchrun_adds_a_summary_on_two():
+    """What README, "Errors and exit codes", says of `accelerate launch -q`."""
+    line = "error: --epochs: expected an integer, got 'abc'"
+    one = launch("cpu.yaml", IMAGE, "--epochs=abc", launcher_args=("-q",))
+    assert (one.returncode, one.stdout, error_lines(one.stderr)) == (1, "", [line]), one.stderr
+    two = launch("cpu_ddp.yaml", IMAGE, "--epochs=abc", launcher_args=("-q",))
+    lines = error_lines(two.stderr)
+    assert two.returncode == 1 and lines[0] == line and line not in lines[1:], two.stderr
+    assert "templates/image_classification.py FAILED" in two.stderr and 12 <= len(lines) <= 40, two.stderr
+
+
+@pytest.mark.parametrize("program", ["image", "lm"])
+def test_non_finite_gradients_before_any_checkpoint_say_there_is_none(program, data, tmp_path):
+    """A finite but absurd learning rate: refused only when it blows up, and then without promising a checkpoint."""
+    result = run(command(program, [*tiny(program, data), "--learning_rate", "1e30", "--warmup_steps", "0",
+                                   "--output_dir", str(tmp_path / "run")]))
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert re.fullmatch(r"error: non-finite gradients at step \d+ \(loss \S+\); no checkpoint was saved yet",
+                        error_lines(result.stderr)[-1]), result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

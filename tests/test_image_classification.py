@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import REPO, clean_env, copy_template_alone, launch, load_template
+from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
 from common.errors import read_status
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
@@ -330,6 +330,16 @@ def test_template_and_common_alone_train_in_an_empty_folder(tmp_path):
     assert "final validation accuracy" in plain.stdout
     assert (app / "runs" / "plain" / "model.safetensors").is_file()
     assert sorted(p.name for p in app.iterdir()) == ["common", "image_classification.py", "runs"]
+
+
+@pytest.mark.parametrize("shadow", ["module", "package"])
+def test_a_copy_inside_a_monorepo_imports_its_own_common_not_the_one_above_it(tmp_path, shadow):
+    proj, env = copy_into_monorepo("image_classification", tmp_path, shadow)
+    tiny = ("--epochs", "1", "--width", "8", "--depth", "1", "--batch_size", "512", "--tracker", "none")
+    launched = launch("cpu.yaml", proj / "train.py", *tiny, "--output_dir", str(proj / "runs" / "x"), cwd=proj.parent,
+                      env=env)
+    assert launched.returncode == 0, show(launched)
+    assert "final validation accuracy" in launched.stdout and (proj / "runs" / "x" / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------- 6. bad input

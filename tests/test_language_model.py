@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, clean_env, copy_template_alone, launch, load_template
+from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
 
 TEMPLATE = REPO / "templates" / "language_model.py"
 STEPS = 14
@@ -129,6 +129,17 @@ def test_template_and_common_alone_train_in_an_empty_folder(tmp_path):
     assert "bits per byte; unigram entropy of the same bytes" in launched.stdout
     assert (app / "runs" / "language_model" / "model.safetensors").is_file()  # the default output_dir
     assert sorted(p.name for p in app.iterdir()) == ["common", "language_model.py", "runs"]
+
+
+@pytest.mark.parametrize("shadow", ["module", "package"])
+def test_a_copy_inside_a_monorepo_imports_its_own_common_not_the_one_above_it(tmp_path, corpus, shadow):
+    proj, env = copy_into_monorepo("language_model", tmp_path, shadow)
+    tiny = ("--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--max_steps", "2",
+            "--eval_batches", "1", "--sample_tokens", "0", "--tracker", "none", "--data_path", str(corpus))
+    launched = launch("cpu.yaml", proj / "train.py", *tiny, "--output_dir", str(proj / "runs" / "x"), cwd=proj.parent,
+                      env=env)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "bits per byte" in launched.stdout and (proj / "runs" / "x" / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------- DDP

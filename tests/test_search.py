@@ -617,7 +617,8 @@ def test_stopped_worker_stops_its_trial_and_marks_it_failed(tmp_path, signum):
     worker.send_signal(signum)
     stdout, _ = worker.communicate(timeout=60)
     assert worker.returncode == 130, stdout
-    assert "run the same command to continue the study" in stdout
+    by = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"error: interrupted by {by}; run the same command to continue the study" in stdout
     assert wait_for_no_processes(str(out), timeout=5) == []
     trial = load_results(out, "fake")["trials"][0]
     assert trial["state"] == "fail" and trial["error"] == "interrupted: its worker was stopped"
