@@ -42,6 +42,8 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 @dataclass
 class Config:
+    """Train a residual CNN to classify images: scikit-learn's digits by default, or your class folders."""
+
     data_dir: str | None = field(default=None, metadata={"help": "Folder of class folders (or train/ and val/ of them); default: digits."})
     image_size: int = field(default=32, metadata={"help": "Side length images from --data_dir are resized to."})
     val_fraction: float = field(default=0.2, metadata={"help": "Share held out for validation when there is no val/ folder."})

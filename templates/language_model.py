@@ -62,6 +62,8 @@ PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
 
 @dataclass
 class Config:
+    """Train a GPT-style language model: byte-level on the Python stdlib by default, or your text or token files."""
+
     data_path: str | None = field(default=None, metadata={"help": "Text file, folder of text files, or uint16 token file(s); default: the Python stdlib."})
     val_fraction: float = field(default=0.1, metadata={"help": "Held out for validation: whole files of a folder, or a single file's tail."})
     vocab_size: int = field(default=0, metadata={"help": "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256."})
