@@ -395,6 +395,7 @@ def test_checkpoint_for_another_model_shape_is_refused_in_one_line(job, tmp_path
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"checkpoint {path} does not fit this model and optimizer: ")
+    assert "size mismatch for " in message and ": checkpoint (" in message and ", model (" in message, message
 
 
 def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_written(job, tmp_path):
