@@ -1,6 +1,6 @@
 """The bad-input battery: wrong flags, values, data, checkpoints, folders, config and sweep files.
 
-Every case runs the real program directly (`python templates/<x>.py ...` or `python -m common.search ...`)
+Every case runs the real program directly (`python templates/<x>.py ...` or `python -m search ...`)
 and must end with exactly one `error:` line naming the problem, a non-zero exit (2), no traceback,
 and nothing already saved changed: each case points at its own copy of finished runs of both
 templates and of a search study, whose every file (path, size, mtime, sha256) is compared before
@@ -212,7 +212,7 @@ def tampered_copy(checkpoint: Path, copy: Path, victim: str) -> None:
 
 def command(program: str, args: list[str]) -> list[str]:
     if program == "search":
-        return [sys.executable, "-m", "common.search", *args]
+        return [sys.executable, "-m", "search", *args]
     return [sys.executable, str(IMAGE if program == "image" else LM), *args]
 
 

@@ -1,4 +1,4 @@
-"""The local search runner (common.search), its trial runner (common.trial) and the multi-seed report (common.seeds).
+"""The local search runner (search.runner), its trial runner (search.trial) and the multi-seed report (search.seeds).
 
 Most tests run tests/fake_trial.py as the trial program (milliseconds, no torch); the end-to-end
 search and seed runs use the image template through `accelerate launch`.
@@ -23,12 +23,12 @@ import yaml
 
 from conftest import CONFIGS, REPO, clean_env, free_port, processes_mentioning, wait_for_no_processes
 
-from common import search as search_module
-from common import seeds as seeds_module
-from common.search import SearchConfig, fail_stale_trials, make_pruner, make_sampler
-from common.seeds import summarize
-from common.sweep import build_command, load_sweep
-from common.trial import run_trial
+from search import runner as search_module
+from search import seeds as seeds_module
+from search.runner import SearchConfig, fail_stale_trials, make_pruner, make_sampler
+from search.seeds import summarize
+from search.sweep import build_command, load_sweep
+from search.trial import run_trial
 
 import optuna
 
@@ -155,14 +155,14 @@ def test_bad_runner_options_are_one_error_line_and_exit_2(tmp_path, capsys, modu
 
 @pytest.mark.parametrize("module, args, expected", [
     (search_module, ["--epochs", "9"], ("error: unknown option --epochs (options for the trials go after --: "
-                                        "python -m common.search --sweep ... -- --epochs=9)")),
+                                        "python -m search --sweep ... -- --epochs=9)")),
     (search_module, ["--epochs=9", "--tracker", "none", "--n_trials", "2"],
      ("error: unknown option --epochs (options for the trials go after --: "
-      "python -m common.search --sweep ... -- --epochs=9 --tracker=none)")),
+      "python -m search --sweep ... -- --epochs=9 --tracker=none)")),
     (search_module, ["--n_trial", "3"], ("error: unknown option --n_trial (did you mean --n_trials?); options for the "
-                                         "trials go after --: python -m common.search --sweep ... -- --n_trial=3")),
+                                         "trials go after --: python -m search --sweep ... -- --n_trial=3")),
     (seeds_module, ["--epochs", "9"], ("error: unknown option --epochs (options for the trials go after --: "
-                                       "python -m common.seeds ... -- --epochs=9)")),
+                                       "python -m search.seeds ... -- --epochs=9)")),
 ])
 def test_an_option_for_the_trials_before_the_separator_is_refused_with_the_separator_shown(tmp_path, capsys, module,
                                                                                              args, expected):
@@ -174,7 +174,8 @@ def test_an_option_for_the_trials_before_the_separator_is_refused_with_the_separ
 
 
 def test_trial_runner_reads_the_file_the_tracker_writes():
-    from common import tracking, trial
+    from common import tracking
+    from search import trial
 
     assert trial.METRICS_FILE == tracking.METRICS_FILE
 
@@ -310,7 +311,7 @@ def test_a_trial_that_reported_its_final_evaluation_is_complete_not_pruned(tmp_p
     out = tmp_path / "out"
     seed_study(out, "fake", 0.1, 0.2, 0.9)
     sweep = write_sweep(tmp_path)
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
                "--pruner", "median", "--median_startup_trials", "1", "--min_evals", "1",
                "--", "--values=0.3,0.4,0.5", "--sleep=0.05", "--linger=2")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -318,7 +319,7 @@ def test_a_trial_that_reported_its_final_evaluation_is_complete_not_pruned(tmp_p
     trial = load_results(out, "fake")["trials"][1]
     assert (trial["state"], trial["value"], trial["evals"]) == ("complete", 0.5, 3), done.stdout
     # A trial below the median before its last evaluation is still pruned (its best 0.25 < 0.3 at evaluation 2).
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
                "--pruner", "median", "--median_startup_trials", "1", "--min_evals", "1",
                "--", "--values=0.25,0.25,0.95", "--sleep=0.6")  # one evaluation per poll
     assert done.returncode == 0, done.stdout + done.stderr
@@ -329,7 +330,7 @@ def test_a_trial_that_reported_its_final_evaluation_is_complete_not_pruned(tmp_p
 def test_failed_trials_are_marked_failed_with_their_error(tmp_path):
     sweep = write_sweep(tmp_path, parameters={"crash": {"value": "boom at step 1"}})
     out = tmp_path / "out"
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--max_failures", "2")
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--max_failures", "2")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "trial 0: failed, exit 1: RuntimeError: boom at step 1" in done.stdout
     results = load_results(out, "fake")
@@ -339,7 +340,7 @@ def test_failed_trials_are_marked_failed_with_their_error(tmp_path):
 
 def test_metric_the_trial_never_logs_is_a_usage_error(tmp_path):
     sweep = write_sweep(tmp_path, metric={"name": "val/accuracy", "goal": "maximize"}, parameters={"metric": {"value": "val/acc"}})
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "3")
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "3")
     assert done.returncode == 2
     line = one_error_line(done.stderr)
     assert "trial 0 finished without logging metric 'val/accuracy'" in line and "val/acc" in line
@@ -349,7 +350,7 @@ def test_best_parameters_are_printed_and_stored_as_they_ran(tmp_path):
     """`--evals=2` after `--` replaces the sweep's evals (sampled 5 or 6): 2 ran, and 2 is what is shown and stored."""
     sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "evals": {"values": [5, 6]}})
     out = tmp_path / "out"
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
                "--", "--evals=2", "--note", "two words")  # fake_trial ignores --note
     assert done.returncode == 0, done.stdout + done.stderr
     results = load_results(out, "fake")
@@ -368,7 +369,7 @@ def test_best_parameters_are_printed_and_stored_as_they_ran(tmp_path):
 
 def test_seeds_print_and_store_the_options_as_they_ran(tmp_path):
     sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 5}})
-    ran = cli("common.seeds", "--sweep", str(sweep), "--seeds", "0", "--output_dir", str(tmp_path / "s"),
+    ran = cli("search.seeds", "--sweep", str(sweep), "--seeds", "0", "--output_dir", str(tmp_path / "s"),
               "--", "--evals=2")
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "1 seeds of the sweep's constants: --score=0.5 --evals=2\n" in ran.stdout, ran.stdout
@@ -399,7 +400,7 @@ def image_search(tmp_path_factory):
         command=["${env}", "accelerate", "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "${program}", "${args}"],
     )
     out = tmp / "out"
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--seed", "0",
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--seed", "0",
                "--max_resource", "2", "--", *TINY_IMAGE, timeout=600)
     return sweep, out, done
 
@@ -430,7 +431,7 @@ def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search,
     sweep, out, done = image_search
     assert done.returncode == 0
     seeds_out = tmp_path / "seeds"
-    ran = cli("common.seeds", "--results", str(out / "tiny" / "results.json"), "--seeds", "0,1", "--output_dir",
+    ran = cli("search.seeds", "--results", str(out / "tiny" / "results.json"), "--seeds", "0,1", "--output_dir",
               str(seeds_out), timeout=400)  # the trial's own options after -- (TINY_IMAGE) come with it
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-4000:]
     report = json.loads((seeds_out / "tiny" / "seeds.json").read_text())
@@ -454,7 +455,7 @@ def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search,
 def test_seeds_report_matches_known_values(tmp_path):
     """The fake program's value is score + seed/100, so the statistics are known in advance."""
     sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 2}})
-    ran = cli("common.seeds", "--sweep", str(sweep), "--seeds", "0,1,2,5", "--output_dir", str(tmp_path / "s"))
+    ran = cli("search.seeds", "--sweep", str(sweep), "--seeds", "0,1,2,5", "--output_dir", str(tmp_path / "s"))
     assert ran.returncode == 0, ran.stdout + ran.stderr
     report = json.loads((tmp_path / "s" / "fake" / "seeds.json").read_text())
     assert [(r["seed"], r["value"]) for r in report["seeds"]] == [(0, 0.5), (1, 0.51), (2, 0.52), (5, 0.55)]
@@ -481,7 +482,7 @@ def check_shared_study(storage, study_name: str, ledger: Path, n_trials: int, wo
 
 
 def run_workers(sweep: Path, out: Path, n_trials: int, *extra: str, workers: int = 2) -> list[str]:
-    procs = [start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", str(n_trials),
+    procs = [start_cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", str(n_trials),
                        "--seed", str(i), *extra) for i in range(workers)]
     logs = []
     for proc in procs:
@@ -507,14 +508,14 @@ def test_the_worker_that_finishes_last_leaves_the_final_results(tmp_path):
     go = tmp_path / "go"
     sweep = write_sweep(tmp_path)
     out = tmp_path / "out"
-    slow = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
+    slow = start_cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2",
                      "--", "--evals=1", f"--wait_for={go}")
     try:
         deadline = time.monotonic() + 60
         while not (out / "fake" / "trial_0000" / "metrics.jsonl").is_file():
             assert time.monotonic() < deadline and slow.poll() is None, slow.stdout.read()
             time.sleep(0.1)
-        fast = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2", "--seed", "1",
+        fast = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "2", "--seed", "1",
                    "--", "--evals=1")
         assert fast.returncode == 0, fast.stdout + fast.stderr
         assert "1 trial(s) still running in other workers (0): these results are not final" in fast.stdout, fast.stdout
@@ -571,7 +572,7 @@ def test_grid_search_runs_each_point_once_and_stops(tmp_path):
     ledger = tmp_path / "ledger"
     sweep = write_sweep(tmp_path, method="grid", parameters={"learning_rate": {"values": [0.2, 0.4, 0.6]},
                                                              "evals": {"min": 1, "max": 2}, "ledger": {"value": str(ledger)}})
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "10")
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "10")
     assert done.returncode == 0, done.stdout + done.stderr
     trials = load_results(tmp_path / "out", "fake")["trials"]
     assert sorted((t["args"]["learning_rate"], t["args"]["evals"]) for t in trials) == [
@@ -583,7 +584,7 @@ def test_restarted_study_continues_and_fails_the_trial_its_killed_worker_left(tm
     ledger = tmp_path / "ledger"
     sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)}})
     out = tmp_path / "out"
-    worker = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
+    worker = start_cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
                        "--", "--evals=100", "--sleep=0.2")
     deadline = time.monotonic() + 60
     while not (out / "fake" / "trial_0000" / "metrics.jsonl").is_file():
@@ -593,14 +594,14 @@ def test_restarted_study_continues_and_fails_the_trial_its_killed_worker_left(tm
     worker.wait()
     assert wait_for_no_processes(str(out), timeout=5) == []  # its trial died with it
 
-    done = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3", "--", "--evals=2")
+    done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3", "--", "--evals=2")
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"trial 0: marked failed, its worker (pid {worker.pid} on" in done.stdout
     results = load_results(out, "fake")
     assert [t["state"] for t in results["trials"]] == ["fail", "complete", "complete", "complete"]
     assert results["trials"][0]["error"].startswith("abandoned: its worker")
     # Started again when done: nothing left to do, no new trial.
-    again = cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3")
+    again = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3")
     assert again.returncode == 0 and len(load_results(out, "fake")["trials"]) == 4
 
 
@@ -608,7 +609,7 @@ def test_restarted_study_continues_and_fails_the_trial_its_killed_worker_left(tm
 def test_stopped_worker_stops_its_trial_and_marks_it_failed(tmp_path, signum):
     sweep = write_sweep(tmp_path)
     out = tmp_path / "out"
-    worker = start_cli("common.search", "--sweep", str(sweep), "--output_dir", str(out), "--",
+    worker = start_cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--",
                        "--evals=100", "--sleep=0.2", "--child=true")
     deadline = time.monotonic() + 60
     while not processes_mentioning(f"fake-rank-of {out}"):

@@ -122,9 +122,10 @@ def test_every_pickle_of_a_real_checkpoint_passes_and_a_tampered_one_fails(finis
 
 
 def test_the_code_loads_pickles_only_weights_only():
-    """No pickle.load and no torch.load without weights_only=True in the templates and common/."""
+    """No pickle.load and no torch.load without weights_only=True in the templates, common/ and search/."""
     offenders = []
-    for path in [*sorted((REPO / "common").glob("*.py")), *sorted((REPO / "templates").glob("*.py"))]:
+    for path in [*sorted((REPO / "common").glob("*.py")), *sorted((REPO / "templates").glob("*.py")),
+                 *sorted((REPO / "search").glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
@@ -173,7 +174,7 @@ def test_sweep_values_full_of_shell_syntax_reach_the_trial_verbatim_and_run_noth
     sweep = {"name": "shell", "program": str(probe), "method": "grid", "metric": {"name": "val/accuracy", "goal": "maximize"},
              "parameters": {"note": {"values": values}}, "command": ["${env}", "${interpreter}", "${program}", "${args}"]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    result = run("-m", "common.search", "--sweep", str(tmp_path / "sweep.yaml"), "--output_dir", str(tmp_path / "out"),
+    result = run("-m", "search", "--sweep", str(tmp_path / "sweep.yaml"), "--output_dir", str(tmp_path / "out"),
                  "--n_trials", str(len(values)))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     received = [json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "shell").glob("trial_*/argv.json"))]

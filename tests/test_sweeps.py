@@ -27,7 +27,7 @@ import yaml
 from conftest import CONFIGS, REPO, clean_env, free_port
 
 from common.config import parse_config
-from common.sweep import build_command, load_sweep
+from search.sweep import build_command, load_sweep
 
 with warnings.catch_warnings():  # the sweeps package still uses a pydantic v1 config key
     warnings.simplefilter("ignore")

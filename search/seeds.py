@@ -1,10 +1,10 @@
 """Re-run one set of parameters with several seeds and report the metric as mean ± std.
 
-    python -m common.seeds --results runs/search/image_classification/results.json --seeds 0,1,2
-    python -m common.seeds --results runs/search/image_classification/results.json --trial 7
-    python -m common.seeds --sweep sweeps/image_classification.yaml --seeds 0,1,2 -- --learning_rate=0.003
+    python -m search.seeds --results runs/search/image_classification/results.json --seeds 0,1,2
+    python -m search.seeds --results runs/search/image_classification/results.json --trial 7
+    python -m search.seeds --sweep sweeps/image_classification.yaml --seeds 0,1,2 -- --learning_rate=0.003
 
-The parameters are the best trial's of a search (`--results`, written by common.search), or the trial
+The parameters are the best trial's of a search (`--results`, written by `python -m search`), or the trial
 `--trial` names, with the options that trial got after `--` (so a seed run repeats the trial but for
 its seed); or, with only `--sweep`, the sweep's constants. Options after `--` here are added last
 and win (e.g. `-- --epochs=100` for longer runs than the search's). Each seed
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import UsageError, report_usage_errors
-from common.search import parse_runner_config, split_passthrough
-from common.sweep import build_command, check_command_files, effective_args, load_sweep
-from common.trial import run_trial, trial_env
+from search.runner import parse_runner_config, split_passthrough
+from search.sweep import build_command, check_command_files, effective_args, load_sweep
+from search.trial import run_trial, trial_env
 
 REPORT_FILE = "seeds.json"
 
@@ -76,9 +76,9 @@ def read_results(path: str, trial: int) -> tuple[dict, dict]:
     except FileNotFoundError:
         raise UsageError(f"--results {path}: not found") from None
     except (OSError, ValueError) as error:
-        raise UsageError(f"--results {path}: not a results.json of common.search ({error})") from None
+        raise UsageError(f"--results {path}: not a results.json of `python -m search` ({error})") from None
     if not isinstance(results, dict) or "trials" not in results:
-        raise UsageError(f"--results {path}: not a results.json of common.search")
+        raise UsageError(f"--results {path}: not a results.json of `python -m search`")
     if trial == -1:
         if not results.get("best"):
             raise UsageError(f"--results {path}: the study has no complete trial yet")
@@ -179,7 +179,7 @@ def format_report(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_runner_config(SeedsConfig, own, "python -m common.seeds ...")
+    cfg = parse_runner_config(SeedsConfig, own, "python -m search.seeds ...")
     return run_seeds(cfg, extra)
 
 

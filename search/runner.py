@@ -1,7 +1,7 @@
 """Local hyperparameter search with Optuna over a W&B sweep file: no account, no network.
 
-    python -m common.search --sweep sweeps/image_classification.yaml --n_trials 30
-    python -m common.search --sweep sweeps/image_classification.yaml --n_trials 30 -- --tracker=none
+    python -m search --sweep sweeps/image_classification.yaml --n_trials 30
+    python -m search --sweep sweeps/image_classification.yaml --n_trials 30 -- --tracker=none
 
 Options after `--` go to every trial after the sampled ones (so they win), e.g. a shorter run.
 Each trial is one subprocess started from the sweep's `command` (usually `accelerate launch`, so a
@@ -56,7 +56,7 @@ from pathlib import Path
 
 from common.config import ConfigError, parse_config
 from common.errors import UsageError, report_usage_errors
-from common.sweep import (
+from search.sweep import (
     Sweep,
     build_command,
     check_command_files,
@@ -66,7 +66,7 @@ from common.sweep import (
     overridden_args,
     parse_options,
 )
-from common.trial import run_trial, trial_env
+from search.trial import run_trial, trial_env
 
 SAMPLERS = ("auto", "tpe", "random", "grid")
 PRUNERS = ("auto", "hyperband", "median", "none")
@@ -120,7 +120,7 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
 def parse_runner_config(config_cls, own: list[str], usage: str):
     """parse_config, with a hint on an unknown option: it may be one for the trials, which go after `--`.
 
-    `usage` is how the runner starts, e.g. "python -m common.search --sweep ...".
+    `usage` is how the runner starts, e.g. "python -m search --sweep ...".
     """
     try:
         return parse_config(config_cls, own)
@@ -588,9 +588,6 @@ def format_table(results: dict, sweep: Sweep) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_runner_config(SearchConfig, own, "python -m common.search --sweep ...")
+    cfg = parse_runner_config(SearchConfig, own, "python -m search --sweep ...")
     return search(cfg, extra)
 
-
-if __name__ == "__main__":
-    main()

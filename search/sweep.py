@@ -1,6 +1,6 @@
 """Read a W&B sweep file and turn it into what the local runner needs: Optuna suggestions and trial commands.
 
-One sweep YAML (see sweeps/) serves `wandb sweep` + `wandb agent` and `python -m common.search`.
+One sweep YAML (see sweeps/) serves `wandb sweep` + `wandb agent` and `python -m search`.
 W&B's own package (`sweeps`, installed by `wandb[sweeps]`) checks the file, so a file this module
 accepts is a file W&B accepts. Its distributions map to Optuna like this:
 

@@ -1,0 +1,50 @@
+"""Where code lives: common/ holds only what the templates import; the search tools live in search/."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, clean_env
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (`import a.b` and `from a.b import c` give "a.b")."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # from common import data
+    return names
+
+
+def test_every_module_in_common_is_imported_by_a_template():
+    """Users copy one template and common/: nothing in common/ may be there for anything else."""
+    templates = sorted((REPO / "templates").glob("*.py"))
+    assert templates
+    used = set().union(*(imported_modules(path) for path in templates))
+    modules = sorted(p.stem for p in (REPO / "common").glob("*.py") if p.stem != "__init__")
+    assert modules
+    unused = [f"common/{name}.py" for name in modules if f"common.{name}" not in used]
+    assert unused == [], f"imported by no template (move it out of common/): {unused}"
+
+
+def test_common_does_not_import_the_search_tools():
+    """A template's copy of common/ has no search/ beside it."""
+    offenders = sorted(f"{path.relative_to(REPO)}: {name}" for path in (REPO / "common").glob("*.py")
+                       for name in imported_modules(path) if name == "search" or name.startswith("search."))
+    assert offenders == []
+
+
+def test_the_search_tools_load_without_torch_or_accelerate():
+    """The runners only start trials (which load torch in their own processes); they import no torch themselves."""
+    code = ("import sys, search, search.runner, search.seeds, search.sweep, search.trial; "
+            "print(sorted(m for m in ('torch', 'accelerate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
