@@ -26,7 +26,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path

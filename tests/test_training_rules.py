@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import functools
 import math
-from pathlib import Path
 
 import pytest
 import torch
