@@ -77,7 +77,7 @@ class Probe:
     begins: the start of each step's timing: the end of the previous step (after any lockstep
             hand-over, see overhead.py); the first step's start is unknown (NaN: start-up)
     evals:  (start, end) of each `evaluate(...)` call
-    ckpts:  (start, end, what) of each CheckpointManager save / save_best / resume
+    ckpts:  (start, end, what) of each CheckpointManager save / save_if_due / resume
     waits:  (start, end) of each `next()` on the training loader, as the training loop sees it
     """
 
@@ -181,8 +181,8 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
         def save(self, *args, **kwargs):
             return self._timed("save", super().save, *args, **kwargs)
 
-        def save_best(self, *args, **kwargs):
-            return self._timed("save_best", super().save_best, *args, **kwargs)
+        def save_if_due(self, *args, **kwargs):  # save() writes the best checkpoint itself when due
+            return self._timed("save_if_due", super().save_if_due, *args, **kwargs)
 
         def resume(self, *args, **kwargs):
             return self._timed("resume", super().resume, *args, **kwargs)

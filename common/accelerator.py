@@ -20,9 +20,9 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
+from common.config import MIXED_PRECISION_CHOICES
 from common.errors import UsageError
 
-MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 
 # accelerate's optimizer wrapper asks on every step (twice) and its backward once whether the optional
 # lomo_optim package is installed: an uncached import-system search costing ~0.1 ms each, measured as

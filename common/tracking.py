@@ -13,16 +13,10 @@ from pathlib import Path
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from common.config import TRACKERS
 from common.errors import UsageError
 
-TRACKERS = ("wandb", "none")
 METRICS_FILE = "metrics.jsonl"
-
-
-def check_wandb_project(project: str) -> None:
-    """Refuse (ValueError) a project name that wandb.init would refuse, but only after the run folder is written."""
-    if not 1 <= len(project) <= 128 or set(project) & set("/\\#?%:"):
-        raise ValueError(f"wandb_project {project!r}: W&B takes 1 to 128 characters, none of / \\ # ? % :")
 
 
 def wandb_has_credentials() -> bool:

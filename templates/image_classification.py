@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,67 +27,42 @@ sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from accelerate.utils import set_seed  # noqa: E402
 
-from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
+from common.accelerator import build_accelerator, describe  # noqa: E402
 from common.checkpoint import CheckpointManager, check_output_dir, export_weights  # noqa: E402
-from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
+from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loader, check_full_batches, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
 from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
 @dataclass
-class Config:
+class Config(RunOptions):
     """Train a residual CNN to classify images: scikit-learn's digits by default, or your class folders."""
 
-    data_dir: str | None = field(default=None, metadata={"help": "Folder of class folders (or train/ and val/ of them); default: digits."})
-    image_size: int = field(default=32, metadata={"help": "Side length images from --data_dir are resized to."})
-    val_fraction: float = field(default=0.2, metadata={"help": "Share held out for validation when there is no val/ folder."})
-    output_dir: str = field(default="runs/image_classification", metadata={"help": "Checkpoints, metrics and the export go here."})
-    epochs: int = field(default=30, metadata={"help": "Passes over the training data."})
-    batch_size: int = field(default=64, metadata={"help": "Per process, per micro-batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate for one process."})
-    lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
-    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay (matrices and kernels only)."})
-    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
-    grad_clip: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (0: no clipping)."})
-    width: int = field(default=32, metadata={"help": "Channels of the first stage (doubled per stage)."})
-    depth: int = field(default=2, metadata={"help": "Residual blocks per stage."})
-    dropout: float = field(default=0.1, metadata={"help": "Dropout before the classifier."})
-    label_smoothing: float = field(default=0.05, metadata={"help": "Cross-entropy label smoothing."})
-    augment: bool = field(default=True, metadata={"help": "Random shifts, scales and rotations of training images."})
-    hflip: bool = field(default=False, metadata={"help": "Also flip training images left-right (not for digits)."})
-    num_workers: int = field(default=-1, metadata={"help": "Loader workers per process; -1 picks for the data."})
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
-    seed: int = field(default=0, metadata={"help": "Seeds init, data order, dropout and augmentation."})
-    resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
-    checkpoint_every_steps: int = field(default=0, metadata={"help": "Also checkpoint every N optimizer steps (0: epoch ends only)."})
-    keep_last: int = field(default=3, metadata={"help": "Periodic checkpoints to keep (the best is kept apart)."})
-    stop_after_steps: int = field(default=0, metadata={"help": "End this session after N optimizer steps with a checkpoint (0: never)."})
-    log_every_steps: int = field(default=10, metadata={"help": "Log the training loss every N optimizer steps."})
-    tracker: str = field(default="wandb", metadata={"help": "wandb (offline without credentials) or none."})
-    wandb_project: str = field(default="image-classification-template", metadata={"help": "W&B project name."})
-    timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
-
-    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
-    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
-    RANGES: ClassVar[dict] = {
-        "image_size": "[1, 1024]", "val_fraction": "(0, 1)", "epochs": "[1, inf)", "batch_size": "[1, inf)",
-        "gradient_accumulation_steps": "[1, inf)", "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING,
-        "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)", "grad_clip": "[0, inf)", "width": "[1, inf)",
-        "depth": "[1, inf)", "dropout": "[0, 1)", "label_smoothing": "[0, 1)", "num_workers": "[-1, 128]",
-        "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]", "checkpoint_every_steps": "[0, inf)",
-        "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)", "log_every_steps": "[1, inf)", "tracker": TRACKERS,
-        "timeout_s": "[1, 604800]",
-    }
-
-    def __post_init__(self):
-        check_ranges(self)
-        check_wandb_project(self.wandb_project)
+    data_dir: str | None = option(None, "Folder of class folders (or train/ and val/ of them); default: digits.")
+    image_size: int = option(32, "Side length images from --data_dir are resized to.", "[1, 1024]")
+    val_fraction: float = option(0.2, "Share held out for validation when there is no val/ folder.", "(0, 1)")
+    epochs: int = option(30, "Passes over the training data.", "[1, inf)")
+    batch_size: int = option(64, "Per process, per micro-batch.", "[1, inf)")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", "[1, inf)")
+    learning_rate: float = option(2e-3, "Peak learning rate for one process.", "(0, inf)")
+    lr_scaling: str = option("none", "Scale the LR with the number of processes: none, linear or sqrt.", LR_SCALING)
+    weight_decay: float = option(0.05, "AdamW weight decay (matrices and kernels only).", "[0, inf)")
+    warmup_steps: int = option(50, "Linear warmup before the cosine decay.", "[0, inf)")
+    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: no clipping).", "[0, inf)")
+    width: int = option(32, "Channels of the first stage (doubled per stage).", "[1, inf)")
+    depth: int = option(2, "Residual blocks per stage.", "[1, inf)")
+    dropout: float = option(0.1, "Dropout before the classifier.", "[0, 1)")
+    label_smoothing: float = option(0.05, "Cross-entropy label smoothing.", "[0, 1)")
+    augment: bool = option(True, "Random shifts, scales and rotations of training images.")
+    hflip: bool = option(False, "Also flip training images left-right (not for digits).")
+    num_workers: int = option(-1, "Loader workers per process; -1 picks for the data.", "[-1, 128]")
+    output_dir: str = option("runs/image_classification", "Checkpoints, metrics, status.json and the export go here.")
+    wandb_project: str = option("image-classification-template", "W&B project name.")
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -289,10 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager(
         accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
-        metric="val/accuracy", mode="max", keep_last=cfg.keep_last, model_info=model_info,
+        metric="val/accuracy", mode="max", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps,
+        seed=cfg.seed, model_info=model_info,
     )
-    set_seed(cfg.seed, device_specific=True)  # each rank its own dropout and augmentation stream
-    progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
     tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
     accelerator.print(
@@ -324,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
             progress.batches_in_epoch += 1
+            if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
+                progress.epoch, progress.batches_in_epoch = epoch + 1, 0
             progress.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
             progress.interval_batches += 1
             if not accelerator.sync_gradients:
@@ -335,24 +311,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if progress.step % cfg.log_every_steps == 0:
                 train_loss = progress.interval_loss_sum / progress.interval_batches
                 tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
-                             "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
+                             "epoch": progress.epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 progress.interval_loss_sum, progress.interval_batches = 0.0, 0
-            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0 and progress.batches_in_epoch < micro_batches:
-                ckpt.save(progress)  # not at an epoch's last step: that is saved after its evaluation, below
+            if progress.batches_in_epoch == 0:  # the epoch's last step: evaluate, then checkpoint with the result
+                metrics = evaluate(model, val_loader, accelerator)
+                tracker.log(metrics | {"epoch": progress.epoch}, step=progress.step)
+                say(accelerator, f"epoch {progress.epoch}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, "
+                                 f"val accuracy {metrics['val/accuracy']:.2%}")
+                ckpt.save(progress, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
+            ckpt.save_if_due(progress)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
                 break
-        if stopping:  # save exactly where we are (even at an epoch's end: a resume then evaluates it)
-            ckpt.save(progress)
+        if stopping:
+            ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
             break
-        progress.epoch, progress.batches_in_epoch = epoch + 1, 0
-        metrics = evaluate(model, val_loader, accelerator)
-        tracker.log(metrics | {"epoch": epoch + 1}, step=progress.step)
-        say(accelerator, f"epoch {epoch + 1}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, val accuracy {metrics['val/accuracy']:.2%}")
-        ckpt.save_best(progress, metrics["val/accuracy"])  # before save(): the periodic checkpoint records the new best
-        ckpt.save(progress)
     bar.close()
 
     reason = preemption.describe() if preempted else "--stop_after_steps" if stopping else ""

@@ -19,9 +19,8 @@ import sys
 import sysconfig
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -35,16 +34,16 @@ sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from accelerate.utils import set_seed  # noqa: E402
 
-from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
+from common.accelerator import build_accelerator, describe  # noqa: E402
 from common.checkpoint import (  # noqa: E402
     MAY_CHANGE_ON_RESUME, CheckpointManager, check_output_dir, export_weights, load_exported,
 )
-from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
+from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loader, check_full_batches, split_by_key  # noqa: E402
 from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -61,67 +60,44 @@ PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
 
 
 @dataclass
-class Config:
+class Config(RunOptions):
     """Train a GPT-style language model: byte-level on the Python stdlib by default, or your text or token files."""
 
-    data_path: str | None = field(default=None, metadata={"help": "Text file, folder of text files, or uint16 token file(s); default: the Python stdlib."})
-    val_fraction: float = field(default=0.1, metadata={"help": "Held out for validation: whole files of a folder, or a single file's tail."})
-    vocab_size: int = field(default=0, metadata={"help": "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256."})
-    output_dir: str = field(default="runs/language_model", metadata={"help": "Checkpoints, metrics and the export go here."})
-    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps to train for."})
-    eval_every_steps: int = field(default=200, metadata={"help": "Validate (and checkpoint) every N optimizer steps; 0: only at the end."})
-    eval_batches: int = field(default=8, metadata={"help": "Validation batches (over all processes together), the same each time."})
-    batch_size: int = field(default=32, metadata={"help": "Sequences per process, per micro-batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=5e-3, metadata={"help": "Peak LR for one process (5e-3 suits the small default; ~6e-4 for GPT-2 sizes)."})
-    lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices and embeddings only)."})
-    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
-    grad_clip: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (0: no clipping)."})
-    block_size: int = field(default=64, metadata={"help": "Context length in tokens."})
-    n_layer: int = field(default=3, metadata={"help": "Transformer blocks."})
-    n_head: int = field(default=4, metadata={"help": "Attention heads per block."})
-    n_embd: int = field(default=64, metadata={"help": "Model width (a multiple of n_head)."})
-    dropout: float = field(default=0.0, metadata={"help": "Dropout on embeddings, attention and residual branches."})
-    init_from: str | None = field(default=None, metadata={"help": "A model.safetensors export to fine-tune (same model options)."})
-    compile: bool = field(default=False, metadata={"help": "torch.compile each transformer block."})
-    activation_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block's activations in backward: less memory."})
-    prompt: str = field(default="def ", metadata={"help": "Text the sample at the end continues (byte-level data only)."})
-    sample_tokens: int = field(default=200, metadata={"help": "Tokens to sample at the end (0: no sample)."})
-    temperature: float = field(default=0.8, metadata={"help": "Sampling temperature of that sample."})
-    num_workers: int = field(default=0, metadata={"help": (
-        "Loader workers per process; -1 picks for the data, which here is 0: reading in the training process, as "
-        "a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a worker "
-        "(bench/data_loading.py). Raise it for slow storage.")})
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
-    seed: int = field(default=0, metadata={"help": "Seeds init, data order and dropout."})
-    resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
-    checkpoint_every_steps: int = field(default=0, metadata={"help": "Also checkpoint every N optimizer steps (0: at evaluations only)."})
-    keep_last: int = field(default=3, metadata={"help": "Periodic checkpoints to keep (the best is kept apart)."})
-    stop_after_steps: int = field(default=0, metadata={"help": "End this session after N optimizer steps with a checkpoint (0: never)."})
-    log_every_steps: int = field(default=50, metadata={"help": "Log loss, throughput and memory every N optimizer steps."})
-    peak_tflops: float = field(default=0.0, metadata={"help": "Peak TFLOP/s of one device for MFU (0: look the GPU up by name)."})
-    tracker: str = field(default="wandb", metadata={"help": "wandb (offline without credentials) or none."})
-    wandb_project: str = field(default="language-model-template", metadata={"help": "W&B project name."})
-    timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
-
-    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
-    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
-    RANGES: ClassVar[dict] = {
-        "val_fraction": "(0, 1)", "vocab_size": "[0, 65536]", "eval_every_steps": "[0, inf)",
-        "max_steps": "[1, 99999999]",  # checkpoint folders are named with 8 digits: step_00001000
-        "eval_batches": "[1, inf)", "batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
-        "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING, "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)",
-        "grad_clip": "[0, inf)", "block_size": "[1, inf)", "n_layer": "[1, inf)", "n_head": "[1, inf)",
-        "n_embd": "[1, inf)", "dropout": "[0, 1)", "sample_tokens": "[0, inf)", "temperature": "[0.001, inf)",
-        "num_workers": "[-1, 128]", "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]",
-        "checkpoint_every_steps": "[0, inf)", "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)",
-        "log_every_steps": "[1, inf)", "peak_tflops": "[0, inf)", "tracker": TRACKERS, "timeout_s": "[1, 604800]",
-    }
+    data_path: str | None = option(None, "Text file, folder of text files, or uint16 token file(s); default: stdlib.")
+    val_fraction: float = option(0.1, "Held out: whole files of a folder, or a single file's tail.", "(0, 1)")
+    vocab_size: int = option(0, "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256.", "[0, 65536]")
+    max_steps: int = option(1000, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
+    eval_every_steps: int = option(200, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
+                                   "[0, inf)")
+    eval_batches: int = option(8, "Validation batches (over all processes together), the same each time.", "[1, inf)")
+    batch_size: int = option(32, "Sequences per process, per micro-batch.", "[1, inf)")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", "[1, inf)")
+    learning_rate: float = option(5e-3, "Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)")
+    lr_scaling: str = option("none", "Scale the LR with the number of processes: none, linear or sqrt.", LR_SCALING)
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices and embeddings only).", "[0, inf)")
+    warmup_steps: int = option(50, "Linear warmup before the cosine decay.", "[0, inf)")
+    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: no clipping).", "[0, inf)")
+    block_size: int = option(64, "Context length in tokens.", "[1, inf)")
+    n_layer: int = option(3, "Transformer blocks.", "[1, inf)")
+    n_head: int = option(4, "Attention heads per block.", "[1, inf)")
+    n_embd: int = option(64, "Model width (a multiple of n_head).", "[1, inf)")
+    dropout: float = option(0.0, "Dropout on embeddings, attention and residual branches.", "[0, 1)")
+    init_from: str | None = option(None, "A model.safetensors export to fine-tune (same model options).")
+    compile: bool = option(False, "torch.compile each transformer block.")
+    activation_checkpointing: bool = option(False, "Recompute each block's activations in backward: less memory.")
+    prompt: str = option("def ", "Text the sample at the end continues (byte-level data only).")
+    sample_tokens: int = option(200, "Tokens to sample at the end (0: no sample).", "[0, inf)")
+    temperature: float = option(0.8, "Sampling temperature of that sample.", "[0.001, inf)")
+    # -1 picks 0 here: a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a
+    # worker (bench/data_loading.py); raise it for slow storage.
+    num_workers: int = option(0, "Loader workers per process; -1 picks for the data (0).", "[-1, 128]")
+    peak_tflops: float = option(0.0, "Peak TFLOP/s of one device for MFU (0: look the GPU up by name).", "[0, inf)")
+    output_dir: str = option("runs/language_model", "Checkpoints, metrics, status.json and the export go here.")
+    log_every_steps: int = option(50, "Log loss, throughput and memory every N optimizer steps.", "[1, inf)")
+    wandb_project: str = option("language-model-template", "W&B project name.")
 
     def __post_init__(self):
-        check_ranges(self)
-        check_wandb_project(self.wandb_project)
+        super().__post_init__()
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
 
@@ -460,14 +436,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager(
         accelerator, cfg.output_dir, template="language_model", config=config_to_dict(cfg),
-        metric="val/loss", mode="min", keep_last=cfg.keep_last,
+        metric="val/loss", mode="min", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
         # These change how the run is watched or how fast it runs, not what it trains: a resume may change them.
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                            "compile", "activation_checkpointing"},
         model_info=model_info,
     )
-    set_seed(cfg.seed, device_specific=True)  # each rank its own dropout stream
-    progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
     tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
     peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
@@ -486,8 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         say(accelerator, f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
         if record:  # not when a finished run is resumed: its evaluation is logged and saved already
             tracker.log(metrics, step=progress.step)
-            ckpt.save_best(progress, metrics["val/loss"])  # before save(): the periodic checkpoint records the new best
-            ckpt.save(progress)
+            ckpt.save(progress, metrics["val/loss"])  # and the best checkpoint, if it is the best so far
         return metrics
 
     bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
@@ -543,8 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if progress.step == cfg.max_steps or (cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0):
                 metrics = validate()
                 timed_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
-            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
-                ckpt.save(progress)
+            ckpt.save_if_due(progress)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if progress.step == cfg.max_steps:
                 break
