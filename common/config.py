@@ -208,8 +208,12 @@ def format_help(config_cls: type) -> str:
     if doc and not doc.startswith(f"{config_cls.__name__}("):  # skip dataclass's generated signature
         lines += [doc.split("\n\n")[0], ""]
     rows = []
-    shared = {f.name for f in dataclasses.fields(RunOptions)} if issubclass(config_cls, RunOptions) else set()
-    for f in sorted(dataclasses.fields(config_cls), key=lambda f: f.name in shared):  # the template's own first
+    mro = config_cls.__mro__
+
+    def declared_by(f: dataclasses.Field) -> int:  # the most basic class declaring the field: shared ones last
+        return max(i for i, cls in enumerate(mro) if f.name in getattr(cls, "__annotations__", {}))
+
+    for f in sorted(dataclasses.fields(config_cls), key=declared_by):  # the template's own options first
         if f.name not in field_types:
             continue
         default = _default(f)

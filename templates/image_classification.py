@@ -25,35 +25,29 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from accelerate.utils import set_seed  # noqa: E402
-
-from common.accelerator import build_accelerator, describe  # noqa: E402
-from common.checkpoint import CheckpointManager, check_output_dir, export_weights  # noqa: E402
+from common.accelerator import start_run  # noqa: E402
+from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
-from common.data import build_loader, check_full_batches, default_num_workers, split_by_key, split_indices  # noqa: E402
-from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
-from common.preemption import PreemptionWatcher  # noqa: E402
-from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
+from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.preemption import end_run  # noqa: E402
+from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
 @dataclass
-class Config(RunOptions):
+class Config(OptimOptions, RunOptions):
     """Train a residual CNN to classify images: scikit-learn's digits by default, or your class folders."""
 
     data_dir: str | None = option(None, "Folder of class folders (or train/ and val/ of them); default: digits.")
     image_size: int = option(32, "Side length images from --data_dir are resized to.", "[1, 1024]")
     val_fraction: float = option(0.2, "Share held out for validation when there is no val/ folder.", "(0, 1)")
     epochs: int = option(30, "Passes over the training data.", "[1, inf)")
-    batch_size: int = option(64, "Per process, per micro-batch.", "[1, inf)")
-    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", "[1, inf)")
+    batch_size: int = option(64, "Images per process, per micro-batch.", "[1, inf)")
     learning_rate: float = option(2e-3, "Peak learning rate for one process.", "(0, inf)")
-    lr_scaling: str = option("none", "Scale the LR with the number of processes: none, linear or sqrt.", LR_SCALING)
     weight_decay: float = option(0.05, "AdamW weight decay (matrices and kernels only).", "[0, inf)")
-    warmup_steps: int = option(50, "Linear warmup before the cosine decay.", "[0, inf)")
-    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: no clipping).", "[0, inf)")
     width: int = option(32, "Channels of the first stage (doubled per stage).", "[1, inf)")
     depth: int = option(2, "Residual blocks per stage.", "[1, inf)")
     dropout: float = option(0.1, "Dropout before the classifier.", "[0, 1)")
@@ -225,31 +219,14 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 @report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
-    cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
-    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
-    accelerator = build_accelerator(
-        seed=cfg.seed,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        timeout_s=cfg.timeout_s,
-    )
-    accelerator.print(describe(accelerator))
-    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
-    set_seed(cfg.seed)  # the same initial weights on every rank
+    accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
 
     data = load_datasets(cfg)
     train_set, val_set = data.train, data.val
     num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers())
-    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
-    train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **loader_args)
-    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
-    train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
-    micro_batches = len(train_loader)
-    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
-    warning = check_full_batches(micro_batches, len(train_set), cfg.batch_size, accelerator.num_processes,
-                                 "training images")
-    if warning:
-        accelerator.print(f"warning: {warning}")
+    train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
+        accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers,
+        what="training images")
     steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
 
@@ -340,12 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
-    requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
-    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
-    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
-    accelerator.end_training()
-    if requeue:
-        sys.exit(EXIT_PREEMPTED)  # tells a job script (README: Slurm) or W&B to requeue the run
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
     return metrics
 
 

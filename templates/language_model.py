@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import sys
 import sysconfig
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,35 +30,20 @@ from torch.utils.data import Dataset, Subset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from accelerate.utils import set_seed  # noqa: E402
-
-from common.accelerator import build_accelerator, describe  # noqa: E402
-from common.checkpoint import (  # noqa: E402
-    MAY_CHANGE_ON_RESUME, CheckpointManager, check_output_dir, export_weights, load_exported,
-)
+from common.accelerator import device_peak_tflops, model_flops_utilization, peak_memory_gb, start_run  # noqa: E402
+from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
-from common.data import build_loader, check_full_batches, split_by_key  # noqa: E402
-from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
-from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import Tracker, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.data import build_loaders, split_by_key  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
+from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.preemption import end_run  # noqa: E402
+from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per GPU from the vendors' datasheets; fp16 for
-# GPUs without bf16 (V100, T4), which train in fp16 here. The first name contained in the device name wins,
-# so specific names come first. None: no published figure (A10G), so no MFU unless --peak_tflops is given.
-PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
-    ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-    ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
-    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0), ("T4", 65.0),
-    ("MI300X", 1307.0),
-)
-
-
 @dataclass
-class Config(RunOptions):
+class Config(OptimOptions, RunOptions):
     """Train a GPT-style language model: byte-level on the Python stdlib by default, or your text or token files."""
 
     data_path: str | None = option(None, "Text file, folder of text files, or uint16 token file(s); default: stdlib.")
@@ -71,12 +54,7 @@ class Config(RunOptions):
                                    "[0, inf)")
     eval_batches: int = option(8, "Validation batches (over all processes together), the same each time.", "[1, inf)")
     batch_size: int = option(32, "Sequences per process, per micro-batch.", "[1, inf)")
-    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", "[1, inf)")
     learning_rate: float = option(5e-3, "Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)")
-    lr_scaling: str = option("none", "Scale the LR with the number of processes: none, linear or sqrt.", LR_SCALING)
-    weight_decay: float = option(0.1, "AdamW weight decay (matrices and embeddings only).", "[0, inf)")
-    warmup_steps: int = option(50, "Linear warmup before the cosine decay.", "[0, inf)")
-    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: no clipping).", "[0, inf)")
     block_size: int = option(64, "Context length in tokens.", "[1, inf)")
     n_layer: int = option(3, "Transformer blocks.", "[1, inf)")
     n_head: int = option(4, "Attention heads per block.", "[1, inf)")
@@ -372,54 +350,20 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temp
     return idx[:, prompt.shape[1]:]
 
 
-def device_peak_tflops(device: torch.device, override: float) -> float | None:
-    if override > 0:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name), None)
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak RSS: KiB on Linux, bytes on macOS
-    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
-
-
 # ----------------------------------------------------------------------------------------- main
 @report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
-    cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
-    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
-    accelerator = build_accelerator(
-        seed=cfg.seed,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        timeout_s=cfg.timeout_s,
-    )
-    accelerator.print(describe(accelerator))
-    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
+    accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
     torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left on Ampere and newer GPUs
-    set_seed(cfg.seed)  # the same initial weights on every rank
 
     corpus = load_corpus(cfg)
     # Validation: the same evenly spread windows every time and for any number of processes.
     eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
     val_set = Subset(corpus.val, np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int)).tolist())
-    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index,
-                       num_workers=max(0, cfg.num_workers))  # -1 (pick for the data) is 0: see --help
-    train_loader = build_loader(corpus.train, batch_size=cfg.batch_size, train=True, **loader_args)
-    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
-    train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
-    micro_batches = len(train_loader)
-    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
-    warning = check_full_batches(micro_batches, len(corpus.train), cfg.batch_size, accelerator.num_processes,
-                                 "training windows")
-    if warning:
-        accelerator.print(f"warning: {warning}")
+    train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
+        accelerator, corpus.train, val_set, batch_size=cfg.batch_size, seed=cfg.seed,
+        num_workers=max(0, cfg.num_workers), what="training windows")  # -1 (pick for the data) is 0: see --help
 
     model = build_model(cfg, corpus.vocab_size)
     model_info = {"model": model.options, "byte_level": corpus.byte_level}  # what using the model needs, with the run
@@ -467,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
     session_steps, timed_batches = 0, 0
     metrics: dict[str, float] = {}
-    stopping = preempted = mfu_warned = False
+    stopping = preempted = False
     model.train()
     interval_start = time.perf_counter()
     while progress.step < cfg.max_steps and not stopping:
@@ -503,13 +447,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 tokens_per_s = timed_batches * tokens_per_micro_batch / elapsed
                 logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                           "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
-                if peak_tflops:
-                    mfu = flops_per_token * tokens_per_s / (accelerator.num_processes * peak_tflops * 1e12)
-                    if mfu <= 1:
-                        logged["mfu"] = mfu
-                    elif not mfu_warned:  # impossible: the peak is wrong, so report nothing rather than a false number
-                        warnings.warn(f"MFU would be {mfu:.0%}: the peak of {peak_tflops:g} TFLOP/s is too low; pass --peak_tflops")
-                        mfu_warned = True
+                if (mfu := model_flops_utilization(flops_per_token * tokens_per_s, accelerator.num_processes,
+                                                   peak_tflops)) is not None:
+                    logged["mfu"] = mfu
                 tracker.log(logged, step=progress.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 progress.interval_loss_sum, progress.interval_batches = 0.0, 0
@@ -545,12 +485,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
-    requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
-    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
-    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
-    accelerator.end_training()
-    if requeue:
-        sys.exit(EXIT_PREEMPTED)  # tells a job script (README: Slurm) or W&B to requeue the run
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
     return metrics
 
 
