@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -84,6 +85,12 @@ class Tracker:
         self._truncate_after(resume_step)
         if kind == "wandb":
             self.run = self._start_wandb(project, config)
+
+    @classmethod
+    def for_run(cls, accelerator: Accelerator, cfg, resume_step: int = 0) -> Tracker:
+        """The tracker a template's options ask for: their output_dir, tracker and wandb_project; all of them to W&B."""
+        return cls(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project,
+                   config=dataclasses.asdict(cfg), resume_step=resume_step)
 
     def _start_wandb(self, project: str, config: dict):
         import wandb

@@ -130,7 +130,8 @@ def load_datasets(cfg: Config) -> Images:
             f"--data_dir {root}: need at least 2 class folders with images ({', '.join(sorted(IMAGE_SUFFIXES))}) "
             f"in training and validation; found {len(classes)} classes, {len(train_paths)} + {len(val_paths)} images"
         )
-    train, val = ImageFiles(train_paths, train_labels, cfg.image_size), ImageFiles(val_paths, val_labels, cfg.image_size)
+    train, val = (ImageFiles(paths, labels, cfg.image_size) for paths, labels in
+                  ((train_paths, train_labels), (val_paths, val_labels)))
     return Images(train, val, 3, classes, cfg.image_size)
 
 
@@ -144,9 +145,10 @@ def augment(images: torch.Tensor, hflip: bool) -> torch.Tensor:
     angle = (torch.rand(n, device=images.device) - 0.5) * (2 * math.pi / 18)  # +-10 degrees
     scale = 1.0 + (torch.rand(n, device=images.device) - 0.5) * 0.2
     shift = (torch.rand(n, 2, device=images.device) - 0.5) * 0.25
-    flip = torch.where(torch.rand(n, device=images.device) < 0.5, -1.0, 1.0) if hflip else torch.ones(n, device=images.device)
+    flip = torch.where(torch.rand(n, device=images.device) < 0.5, -1.0, 1.0) if hflip else torch.ones_like(scale)
     cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
-    theta = torch.stack([torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)], 1)
+    rows = [torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)]
+    theta = torch.stack(rows, 1)
     grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
     return F.grid_sample(images, grid, padding_mode="border", align_corners=False)
 
@@ -179,15 +181,18 @@ class ResNet(nn.Module):
         # Stored with the run and in the export: ResNet(**options) rebuilds this model anywhere.
         self.options = dict(in_channels=in_channels, num_classes=num_classes, width=width, depth=depth, stages=stages,
                             dropout=dropout)
-        layers: list[nn.Module] = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), group_norm(width), nn.ReLU()]
+        layers: list[nn.Module] = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), group_norm(width),
+                                   nn.ReLU()]
         channels = width
         for stage in range(stages):
             if stage > 0:  # halve the resolution, double the channels
-                layers += [nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1, bias=False), group_norm(channels * 2), nn.ReLU()]
+                down = nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1, bias=False)
+                layers += [down, group_norm(channels * 2), nn.ReLU()]
                 channels *= 2
             layers += [Block(channels) for _ in range(depth)]
         self.features = nn.Sequential(*layers)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels, num_classes))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+                                  nn.Linear(channels, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -245,9 +250,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
-    tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=progress.step)  # W&B, metrics.jsonl: main process
     accelerator.print(
-        f"{len(train_set)} training / {len(val_set)} validation images, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{len(train_set)} training / {len(val_set)} validation images, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{total_steps} optimizer steps, learning rate {learning_rate:g}"
     )
 
@@ -273,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
-                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+                # an fp16 overflow: the scaler skipped this step (counted over the whole run)
+                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
             progress.batches_in_epoch += 1
             if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
                 progress.epoch, progress.batches_in_epoch = epoch + 1, 0
@@ -287,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bar.update(1)
             if progress.step % cfg.log_every_steps == 0:
                 train_loss = progress.interval_loss_sum / progress.interval_batches
-                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
+                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0],
+                             "train/skipped_steps": progress.skipped_steps,
                              "epoch": progress.epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 progress.interval_loss_sum, progress.interval_batches = 0.0, 0
@@ -316,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             metrics = evaluate(model, val_loader, accelerator)
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
-        accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
+        accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "
+                          f"(best {progress.best_metric:.2%} at step {progress.best_step})")
     end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
     return metrics
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Subset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 from common.accelerator import device_peak_tflops, model_flops_utilization, peak_memory_gb, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
-from common.data import build_loaders, split_by_key  # noqa: E402
+from common.data import TokenWindows, build_loaders, largest_token, split_by_key, token_file  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import end_run  # noqa: E402
@@ -81,39 +81,6 @@ class Config(OptimOptions, RunOptions):
 
 
 # ----------------------------------------------------------------------------------------- data
-class TokenWindows(Dataset):
-    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T.
-
-    Windows are fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch).
-    An item is a pure function of its index, which is what makes the data position saved in a checkpoint
-    enough for an exact resume; a per-epoch random offset would need the epoch inside the loader
-    workers, and persistent workers never see it. Token files are memory-mapped, once per process.
-    """
-
-    def __init__(self, tokens: np.ndarray | Path, block_size: int, start: int = 0, stop: int | None = None):
-        self.tokens, self.block_size, self.start = tokens, block_size, start
-        self.stop = stop if stop is not None else len(self.array())
-        self._memmap = None
-
-    def array(self) -> np.ndarray:
-        if isinstance(self.tokens, np.ndarray):
-            return self.tokens
-        if getattr(self, "_memmap", None) is None:
-            self._memmap = np.memmap(self.tokens, dtype=np.uint16, mode="r")
-        return self._memmap
-
-    def __getstate__(self) -> dict:
-        return self.__dict__ | {"_memmap": None}  # a pickled memmap would be a full in-memory copy
-
-    def __len__(self) -> int:
-        return max(0, (self.stop - self.start - 1) // self.block_size)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        begin = self.start + index * self.block_size
-        chunk = torch.from_numpy(self.array()[begin : begin + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
-
-
 @dataclass
 class Corpus:
     train: TokenWindows
@@ -134,25 +101,6 @@ def read_text_files(files: list[Path]) -> np.ndarray:
         return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
     except OSError as error:
         raise UsageError(f"cannot read {error.filename} ({error.strerror})") from None
-
-
-def token_file(path: Path) -> Path:
-    try:
-        size = path.stat().st_size
-        path.open("rb").close()  # it is memory-mapped later, in the loader
-    except OSError as error:
-        raise UsageError(f"cannot read token file {path} ({error.strerror})") from None
-    if size == 0:
-        raise UsageError(f"token file {path} is empty")
-    if size % 2:
-        raise UsageError(f"token file {path} has {size} bytes, not a multiple of 2: not a file of uint16 tokens")
-    return path
-
-
-def largest_token(path: Path) -> int:
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    chunk = 1 << 24  # a scan in pieces: many-GB files are never read into memory at once
-    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
 def load_corpus(cfg: Config) -> Corpus:
@@ -180,7 +128,8 @@ def load_corpus(cfg: Config) -> Corpus:
         vocab_size = cfg.vocab_size or 64 * math.ceil((largest + 1) / 64)
         return check_corpus(Corpus(train, val, vocab_size, False, f"uint16 tokens from {path}"), cfg)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        hidden = lambda p: any(part.startswith(".") for part in p.relative_to(path).parts)  # noqa: E731
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p))
         return text_corpus(path, files, cfg, f"{len(files)} files under {path}")
     return text_corpus(path.parent, [path], cfg, f"text file {path}")
 
@@ -203,8 +152,9 @@ def text_corpus(root: Path, files: list[Path], cfg: Config, description: str) ->
 
 def check_corpus(corpus: Corpus, cfg: Config) -> Corpus:
     if len(corpus.train) == 0 or len(corpus.val) == 0:
-        sizes = f"{corpus.train.stop - corpus.train.start} training / {corpus.val.stop - corpus.val.start} validation tokens"
-        raise UsageError(f"{corpus.description}: {sizes}, too few for a window of --block_size {cfg.block_size} + 1 in each split")
+        train, val = corpus.train.stop - corpus.train.start, corpus.val.stop - corpus.val.start
+        raise UsageError(f"{corpus.description}: {train} training / {val} validation tokens, too few for a window "
+                         f"of --block_size {cfg.block_size} + 1 in each split")
     return corpus
 
 
@@ -239,7 +189,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(n_embd, bias=False)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln2 = nn.LayerNorm(n_embd, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(), nn.Linear(4 * n_embd, n_embd, bias=False))
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=False))
         self.drop = nn.Dropout(dropout)
         self.activation_checkpointing = activation_checkpointing
 
@@ -302,7 +253,8 @@ def build_model(cfg: Config, vocab_size: int) -> GPT:
     if cfg.init_from is not None:
         positions = exported_positions(Path(cfg.init_from))
         if positions is not None and cfg.block_size > positions:
-            raise UsageError(f"--block_size {cfg.block_size} is longer than the {positions} positions the model in {cfg.init_from} allows")
+            raise UsageError(f"--block_size {cfg.block_size} is longer than the {positions} positions "
+                             f"the model in {cfg.init_from} allows")
         block_size = positions or cfg.block_size  # shorter training sequences use the first positions
     model = GPT(vocab_size, block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.activation_checkpointing)
     if cfg.init_from is not None:
@@ -339,7 +291,8 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 
 
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temperature: float, generator: torch.Generator) -> torch.Tensor:
+def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temperature: float,
+             generator: torch.Generator) -> torch.Tensor:
     """Sample continuations; every rank runs it, as FSDP needs all ranks in each forward."""
     model.eval()
     idx = prompt
@@ -360,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     corpus = load_corpus(cfg)
     # Validation: the same evenly spread windows every time and for any number of processes.
     eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
-    val_set = Subset(corpus.val, np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int)).tolist())
+    spread = np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int))
+    val_set = Subset(corpus.val, spread.tolist())
     train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
         accelerator, corpus.train, val_set, batch_size=cfg.batch_size, seed=cfg.seed,
         num_workers=max(0, cfg.num_workers), what="training windows")  # -1 (pick for the data) is 0: see --help
@@ -388,11 +342,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
-    tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=progress.step)  # W&B, metrics.jsonl: main process
     peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
     tokens_per_micro_batch = cfg.batch_size * cfg.block_size * accelerator.num_processes
     accelerator.print(
-        f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, {len(val_set) * cfg.block_size:,} validation tokens, "
+        f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
+        f"{len(val_set) * cfg.block_size:,} validation tokens, "
         f"vocabulary {corpus.vocab_size}, {n_params:,} parameters, {cfg.max_steps} optimizer steps "
         f"({micro_batches} micro-batches per epoch), learning rate {learning_rate:g}"
     )
@@ -429,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
-                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+                # an fp16 overflow: the scaler skipped this step (counted over the whole run)
+                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
             progress.batches_in_epoch += 1
             if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
                 progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
@@ -445,7 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if progress.step % cfg.log_every_steps == 0:
                 elapsed = time.perf_counter() - interval_start
                 tokens_per_s = timed_batches * tokens_per_micro_batch / elapsed
-                logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
+                logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches,
+                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                           "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
                 if (mfu := model_flops_utilization(flops_per_token * tokens_per_s, accelerator.num_processes,
                                                    peak_tflops)) is not None:
