@@ -2,7 +2,7 @@
 summarise step times, describe the machine, print tables and update bench/RESULTS.md.
 
 The probes only wrap names the template module looks up at run time (`progress_bar`, `evaluate`,
-`CheckpointManager`, `build_accelerator`); the training loop that runs is the template's own code.
+`CheckpointManager`, `start_run`); the training loop that runs is the template's own code.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Probe:
     begins: the start of each step's timing: the end of the previous step (after any lockstep
             hand-over, see overhead.py); the first step's start is unknown (NaN: start-up)
     evals:  (start, end) of each `evaluate(...)` call
-    ckpts:  (start, end, what) of each CheckpointManager save / save_best / resume
+    ckpts:  (start, end, what) of each CheckpointManager save / save_if_due / resume
     waits:  (start, end) of each `next()` on the training loader, as the training loop sees it
     """
 
@@ -143,10 +143,10 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
     `after_step`, if given, is called at the end of every optimizer step, outside the timed part
     (overhead.py hands the CPU to the plain loop there).
     """
-    missing = [name for name in ("progress_bar", "evaluate", "CheckpointManager", "build_accelerator") if not hasattr(module, name)]
+    missing = [name for name in ("progress_bar", "evaluate", "CheckpointManager", "start_run") if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"{module.__file__} no longer has {', '.join(missing)}: the benchmark probes need updating")
-    originals = {name: getattr(module, name) for name in ("progress_bar", "evaluate", "CheckpointManager", "build_accelerator")}
+    originals = {name: getattr(module, name) for name in ("progress_bar", "evaluate", "CheckpointManager", "start_run")}
 
     def progress_bar(*args, **kwargs):
         probe.info["loop_start"] = time.perf_counter()  # the bar is made just before the training loop
@@ -181,16 +181,20 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
         def save(self, *args, **kwargs):
             return self._timed("save", super().save, *args, **kwargs)
 
-        def save_best(self, *args, **kwargs):
-            return self._timed("save_best", super().save_best, *args, **kwargs)
+        def save_if_due(self, *args, **kwargs):  # called every step: only a call that saved counts
+            start = time.perf_counter()
+            saved = super().save_if_due(*args, **kwargs)
+            if saved is not None:
+                probe.ckpts.append((start, time.perf_counter(), "save_if_due"))
+            return saved
 
         def resume(self, *args, **kwargs):
             return self._timed("resume", super().resume, *args, **kwargs)
 
-    def build_accelerator(*args, **kwargs):
+    def start_run(*args, **kwargs):
         import torch
 
-        accelerator = originals["build_accelerator"](*args, **kwargs)
+        accelerator, preemption = originals["start_run"](*args, **kwargs)
         prepare = accelerator.prepare
         seen = {"train": False}
 
@@ -213,10 +217,10 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
 
         accelerator.prepare = recording_prepare
         probe.info["num_processes"] = accelerator.num_processes
-        return accelerator
+        return accelerator, preemption
 
     wrappers = {"progress_bar": progress_bar, "evaluate": evaluate, "CheckpointManager": CheckpointManager,
-                "build_accelerator": build_accelerator}
+                "start_run": start_run}
     for name, wrapper in wrappers.items():
         setattr(module, name, wrapper)
     try:

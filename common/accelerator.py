@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
+import sys
 import warnings
 from datetime import timedelta
 
@@ -13,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import (
+    set_seed,
     DataLoaderConfiguration,
     DistributedType,
     FullyShardedDataParallelPlugin,
@@ -20,9 +23,12 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
+from common.checkpoint import check_output_dir
+from common.config import MIXED_PRECISION_CHOICES
 from common.errors import UsageError
+from common.preemption import PreemptionWatcher
+from common.tracking import sweep_run_dir
 
-MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 
 # accelerate's optimizer wrapper asks on every step (twice) and its backward once whether the optional
 # lomo_optim package is installed: an uncached import-system search costing ~0.1 ms each, measured as
@@ -89,6 +95,20 @@ def build_accelerator(
     return accelerator
 
 
+def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
+    """What every run does first, on every rank: its output folder (its own one under `wandb agent`, checked
+    before anything is written), the Accelerator, the stop-signal watcher, and the same seed everywhere (so
+    every rank builds the same initial weights; the checkpoint manager then gives each rank its own streams)."""
+    cfg.output_dir = sweep_run_dir(cfg.output_dir)
+    check_output_dir(cfg.output_dir)
+    accelerator = build_accelerator(seed=cfg.seed, mixed_precision=cfg.mixed_precision,
+                                    gradient_accumulation_steps=cfg.gradient_accumulation_steps, timeout_s=cfg.timeout_s)
+    accelerator.print(describe(accelerator))
+    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
+    set_seed(cfg.seed)
+    return accelerator, preemption
+
+
 def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:
     if accelerator.num_processes < 2:
         return  # nothing to shard; plain single-process training
@@ -108,3 +128,43 @@ def describe(accelerator: Accelerator) -> str:
         f"mixed precision {accelerator.mixed_precision}, "
         f"gradient accumulation {accelerator.gradient_accumulation_steps}"
     )
+
+
+# ------------------------------------------------------------------------------ what the hardware gives
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per GPU from the vendors' datasheets; fp16 for
+# GPUs without bf16 (V100, T4), which train in fp16 here. The first name contained in the device name wins,
+# so specific names come first. None: no published figure (A10G), so no MFU unless --peak_tflops is given.
+PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
+    ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0), ("T4", 65.0),
+    ("MI300X", 1307.0),
+)
+
+
+def device_peak_tflops(device: torch.device, override: float) -> float | None:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name), None)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak RSS: KiB on Linux, bytes on macOS
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
+
+def model_flops_utilization(flops_per_s: float, devices: int, peak_tflops: float | None) -> float | None:
+    """Achieved model FLOP/s over the devices' peak; None without a peak, or when the result would exceed
+    100% (then the peak is wrong: a warning says so, once, rather than a false number being logged)."""
+    if not peak_tflops:
+        return None
+    mfu = flops_per_s / (devices * peak_tflops * 1e12)
+    if mfu > 1:
+        warnings.warn(f"MFU would be {mfu:.0%}: the peak of {peak_tflops:g} TFLOP/s is too low; pass --peak_tflops")
+        return None
+    return mfu

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, set_seed
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -90,6 +90,8 @@ class CheckpointManager:
         metric: str,
         mode: str = "max",
         keep_last: int = 3,
+        every_steps: int = 0,
+        seed: int = 0,
         may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
         model_info: dict | None = None,
     ):
@@ -106,6 +108,8 @@ class CheckpointManager:
         self.mode = mode
         self.keep_last = keep_last
         self.may_change = frozenset(may_change)
+        self.every_steps = every_steps
+        self.seed = seed
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
 
     # ----------------------------------------------------------------------------------- resume
@@ -117,6 +121,9 @@ class CheckpointManager:
         so an earlier run is never overwritten by accident.
         """
         self._check_run_file()
+        # Each rank its own streams for dropout and augmentation from here on (init used one for all);
+        # a resume then restores the streams the checkpoint saved.
+        set_seed(self.seed, device_specific=True)
         for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
             self._print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
         existing = self.complete_checkpoints()
@@ -175,8 +182,24 @@ class CheckpointManager:
         return progress
 
     # ------------------------------------------------------------------------------------- save
-    def save(self, progress: Progress) -> Path:
-        """Write a periodic checkpoint (unless this step has one) and keep only the newest `keep_last`."""
+    def save(self, progress: Progress, metric: float | None = None) -> Path:
+        """Checkpoint this step (unless it has a checkpoint) and keep only the newest `keep_last`.
+
+        At an evaluation pass its `metric`: when it is the best so far it is recorded in `progress` and
+        the best checkpoint is written first, so the periodic one records the new best too.
+        """
+        if metric is not None:
+            self.save_best(progress, metric)
+        return self._save_periodic(progress)
+
+    def save_if_due(self, progress: Progress) -> Path | None:
+        """The periodic policy, called after every optimizer step: a checkpoint every `every_steps` steps
+        (0: only where the template calls `save`, at evaluations and when it stops)."""
+        if self.every_steps and progress.step % self.every_steps == 0:
+            return self._save_periodic(progress)
+        return None
+
+    def _save_periodic(self, progress: Progress) -> Path:
         path = self.dir / f"step_{progress.step:08d}"
         if path in self.complete_checkpoints():
             return path
@@ -196,10 +219,7 @@ class CheckpointManager:
         return value > progress.best_metric if self.mode == "max" else value < progress.best_metric
 
     def save_best(self, progress: Progress, value: float) -> bool:
-        """If `value` beats the best so far, record it in `progress` and save the best checkpoint.
-
-        Call it before `save` at the same step, so the periodic checkpoint records the new best too.
-        """
+        """If `value` beats the best so far, record it in `progress` and save the best checkpoint."""
         if not self.is_better(value, progress):
             return False
         progress.best_metric, progress.best_step = float(value), progress.step

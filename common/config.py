@@ -1,8 +1,8 @@
 """One dataclass per template becomes its command line (and its optional YAML file).
 
     @dataclass
-    class Config:
-        learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate."})
+    class Config(RunOptions):  # the options every template shares, declared once below
+        learning_rate: float = option(3e-4, "Peak learning rate.", "(0, inf)")
 
     config = parse_config(Config)  # --learning_rate=1e-4 | --learning-rate 1e-4 | --config run.yaml
 
@@ -11,8 +11,8 @@ of each sampled value: `True`, `[64, 128]`, `0.00031`, sometimes `64.0` for an i
 files. All three go through the same coercion, so a sweep can set anything a person can.
 Precedence: dataclass defaults < `--config` files (in the order given) < other options.
 
-A template's numbers are checked against the ranges in its `RANGES` class attribute (`check_ranges`,
-called from its `__post_init__`), and `--help` shows each one.
+Every number has a range, and strings with fixed values their choices (`option(default, help, range)`);
+`check_ranges` (in `RunOptions.__post_init__`) refuses anything else, and `--help` shows each one.
 """
 
 from __future__ import annotations
@@ -43,6 +43,61 @@ _EXPECTED = {int: "an integer", float: "a number", str: "a string", bool: "true/
 
 class ConfigError(UsageError):
     """A command-line option or config-file entry is wrong; the message is one line naming it."""
+
+
+TRACKERS = ("wandb", "none")
+MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
+
+
+def option(default: Any, help: str, range: str | tuple | None = None) -> Any:
+    """A config field: its default, its one-line help, and the values it may take.
+
+    `range`: an interval for numbers (`"[1, 1024]"` includes both ends, `"(0, 1)"` neither, `inf` means no
+    bound), or a tuple of the choices for a string. Every int and float option needs one.
+    """
+    metadata = {"help": help} | ({"range": range} if range is not None else {})
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def option_range(config_cls: type, name: str) -> str | tuple | None:
+    """The range (or choices) declared for option `name` of `config_cls`, or None."""
+    return next((f.metadata.get("range") for f in dataclasses.fields(config_cls) if f.name == name), None)
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """The options every template shares: where a run writes, how it resumes, saves, logs and waits.
+
+    A template's `Config` extends it (and may give `output_dir`, `wandb_project` or `log_every_steps`
+    its own default by declaring the field again).
+    """
+
+    output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.")
+    seed: int = option(0, "Seeds init, data order and every random draw of training.", "[0, 2147483647]")
+    resume: str = option("auto", "auto (newest checkpoint in output_dir), none, or a checkpoint path.")
+    checkpoint_every_steps: int = option(0, "Also checkpoint every N optimizer steps (0: at evaluations only).",
+                                         "[0, inf)")
+    keep_last: int = option(3, "Periodic checkpoints to keep (the best is kept apart).", "[1, inf)")
+    stop_after_steps: int = option(0, "End this session after N optimizer steps with a checkpoint (0: never).",
+                                   "[0, inf)")
+    log_every_steps: int = option(10, "Log the training loss every N optimizer steps.", "[1, inf)")
+    tracker: str = option("wandb", "wandb (offline without credentials) or none.", TRACKERS)
+    wandb_project: str = option("training-template", "W&B project name.")
+    timeout_s: int = option(600, "Seconds a rank waits for the others before the job fails.", "[1, 604800]")
+    mixed_precision: str = option("auto", "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16.",
+                                  MIXED_PRECISION_CHOICES)
+
+    def __post_init__(self):
+        check_ranges(self)
+        check_wandb_project(self.wandb_project)
+
+
+def check_wandb_project(project: str) -> None:
+    """Refuse (ValueError) a project name that wandb.init would refuse, but only after the run folder is written."""
+    if not 1 <= len(project) <= 128 or set(project) & set("/\\#?%:"):
+        raise ValueError(f"wandb_project {project!r}: W&B takes 1 to 128 characters, none of / \\ # ? % :")
 
 
 def parse_config(config_cls: type[T], argv: list[str] | None = None) -> T:
@@ -89,18 +144,17 @@ def config_to_dict(config: Any) -> dict:
 
 
 def check_ranges(config: Any) -> None:
-    """Refuse (ValueError) any value of `config` outside its range in `type(config).RANGES`.
+    """Refuse (ValueError) any value of `config` outside the range its field declares (`option`).
 
     A number's range is an interval: `[1, 1024]` includes both ends, `(0, 1)` neither; an end of
     `inf` (never included) means no bound, so a float with one must be finite; NaN is always refused.
     A string's range is a tuple of its choices. Every int and float field needs a range: a template
     without one fails loudly (TypeError).
     """
-    ranges = getattr(type(config), "RANGES", {})
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         tp, _ = _unwrap_optional(hints[f.name])
-        value, allowed = getattr(config, f.name), ranges.get(f.name)
+        value, allowed = getattr(config, f.name), f.metadata.get("range")
         if isinstance(allowed, tuple):
             if value not in allowed:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
@@ -108,7 +162,7 @@ def check_ranges(config: Any) -> None:
         if tp not in (int, float):
             continue
         if allowed is None:
-            raise TypeError(f"{type(config).__name__}.{f.name}: no entry in RANGES")
+            raise TypeError(f"{type(config).__name__}.{f.name}: an int or float option needs a range")
         if value is None:
             continue
         low_open, low, high, high_open = _interval(allowed)
@@ -154,12 +208,17 @@ def format_help(config_cls: type) -> str:
     if doc and not doc.startswith(f"{config_cls.__name__}("):  # skip dataclass's generated signature
         lines += [doc.split("\n\n")[0], ""]
     rows = []
-    for f in dataclasses.fields(config_cls):
+    mro = config_cls.__mro__
+
+    def declared_by(f: dataclasses.Field) -> int:  # the most basic class declaring the field: shared ones last
+        return max(i for i, cls in enumerate(mro) if f.name in getattr(cls, "__annotations__", {}))
+
+    for f in sorted(dataclasses.fields(config_cls), key=declared_by):  # the template's own options first
         if f.name not in field_types:
             continue
         default = _default(f)
         shown = "required" if default is dataclasses.MISSING else f"default: {default!r}"
-        allowed = getattr(config_cls, "RANGES", {}).get(f.name)
+        allowed = f.metadata.get("range")
         if allowed is not None:
             shown += f", one of {', '.join(map(str, allowed))}" if isinstance(allowed, tuple) else f", range {allowed}"
         rows.append((f"--{f.name} {_type_name(field_types[f.name])}", shown, f.metadata.get("help", "")))

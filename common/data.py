@@ -1,4 +1,5 @@
-"""Data loaders built by the rules every template follows, and splits that never share a sample."""
+"""Data loaders built by the rules in README (seeded workers, shuffling and drop_last for training only), splits that
+never overlap, and token streams read in fixed windows (memory-mapped token files)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import signal
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -112,6 +114,21 @@ def build_loader(
     )
 
 
+def build_loaders(accelerator, train_set: Dataset, val_set: Dataset, *, batch_size: int, seed: int,
+                  num_workers: int, what: str):
+    """The training and validation loaders, prepared (each rank holds its shard), and the training
+    loader's micro-batches per epoch. Refuses a training set with no full batch per process and warns,
+    on the main process, when whole batches leave much of it out (`check_full_batches`)."""
+    loader_args = dict(batch_size=batch_size, seed=seed, device=accelerator.device, rank=accelerator.process_index,
+                       num_workers=num_workers)
+    train_loader, val_loader = accelerator.prepare(build_loader(train_set, train=True, **loader_args),
+                                                   build_loader(val_set, train=False, **loader_args))
+    warning = check_full_batches(len(train_loader), len(train_set), batch_size, accelerator.num_processes, what)
+    if warning:
+        accelerator.print(f"warning: {warning}")
+    return train_loader, val_loader, len(train_loader)
+
+
 def check_full_batches(batches: int, samples: int, batch_size: int, processes: int, what: str) -> str | None:
     """Refuse a training set that fills no batch on each process; warn when whole batches leave out much of it.
 
@@ -170,3 +187,56 @@ def check_disjoint(*splits: Sequence[int]) -> None:
         for index in split:
             if seen.setdefault(index, split_number) != split_number:
                 raise ValueError(f"sample {index} is in split {seen[index]} and split {split_number}")
+
+
+# ------------------------------------------------------------------------------- token streams
+class TokenWindows(Dataset):
+    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T.
+
+    Windows are fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch).
+    An item is a pure function of its index, which is what makes the data position saved in a checkpoint
+    enough for an exact resume; a per-epoch random offset would need the epoch inside the loader
+    workers, and persistent workers never see it. Token files are memory-mapped, once per process.
+    """
+
+    def __init__(self, tokens: np.ndarray | Path, block_size: int, start: int = 0, stop: int | None = None):
+        self.tokens, self.block_size, self.start = tokens, block_size, start
+        self.stop = stop if stop is not None else len(self.array())
+        self._memmap = None
+
+    def array(self) -> np.ndarray:
+        if isinstance(self.tokens, np.ndarray):
+            return self.tokens
+        if getattr(self, "_memmap", None) is None:
+            self._memmap = np.memmap(self.tokens, dtype=np.uint16, mode="r")
+        return self._memmap
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"_memmap": None}  # a pickled memmap would be a full in-memory copy
+
+    def __len__(self) -> int:
+        return max(0, (self.stop - self.start - 1) // self.block_size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        begin = self.start + index * self.block_size
+        chunk = torch.from_numpy(self.array()[begin : begin + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+def token_file(path: Path) -> Path:
+    try:
+        size = path.stat().st_size
+        path.open("rb").close()  # it is memory-mapped later, in the loader
+    except OSError as error:
+        raise UsageError(f"cannot read token file {path} ({error.strerror})") from None
+    if size == 0:
+        raise UsageError(f"token file {path} is empty")
+    if size % 2:
+        raise UsageError(f"token file {path} has {size} bytes, not a multiple of 2: not a file of uint16 tokens")
+    return path
+
+
+def largest_token(path: Path) -> int:
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    chunk = 1 << 24  # a scan in pieces: many-GB files are never read into memory at once
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))

@@ -1,14 +1,30 @@
-"""Optimizer pieces both templates use: weight-decay groups, LR scaling with world size, warmup + cosine."""
+"""Optimizer pieces both templates use: their options, weight-decay groups, LR scaling with world size,
+warmup + cosine."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from common.config import option
 from common.errors import UsageError
 
 LR_SCALING = ("none", "linear", "sqrt")
+
+
+@dataclass
+class OptimOptions:
+    """The optimization options every template shares (a template declares a field again for its own default)."""
+
+    batch_size: int = option(32, "Samples per process, per micro-batch.", "[1, inf)")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", "[1, inf)")
+    learning_rate: float = option(1e-3, "Peak learning rate for one process.", "(0, inf)")
+    lr_scaling: str = option("none", "Scale the LR with the number of processes: none, linear or sqrt.", LR_SCALING)
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices, kernels and embeddings only).", "[0, inf)")
+    warmup_steps: int = option(50, "Linear warmup before the cosine decay.", "[0, inf)")
+    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: no clipping).", "[0, inf)")
 
 
 def scale_learning_rate(base_lr: float, world_size: int, rule: str) -> float:

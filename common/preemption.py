@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+
+from common.errors import EXIT_PREEMPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Agreed across ranks by MAX: a preemption warning on any rank outranks a plain stop on another.
@@ -71,3 +74,16 @@ class PreemptionWatcher:
         if self.requeue:
             return f"{name} (preemption)"
         return f"{name} from the W&B sweep agent (early termination or a stopped sweep: not requeued)"
+
+
+def end_run(accelerator: Accelerator, status, tracker, preemption: PreemptionWatcher, stopping: bool,
+            reason: str) -> None:
+    """What every run does last: record how it ended (status.json, W&B), close the process group, and exit
+    with 75 when it must come back (preempted, not stopped for good by a sweep agent), so a job script or
+    W&B requeues it."""
+    requeue = stopping and preemption.requeue
+    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
+    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
+    accelerator.end_training()
+    if requeue:
+        sys.exit(EXIT_PREEMPTED)

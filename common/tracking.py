@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,16 +14,10 @@ from pathlib import Path
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from common.config import TRACKERS
 from common.errors import UsageError
 
-TRACKERS = ("wandb", "none")
 METRICS_FILE = "metrics.jsonl"
-
-
-def check_wandb_project(project: str) -> None:
-    """Refuse (ValueError) a project name that wandb.init would refuse, but only after the run folder is written."""
-    if not 1 <= len(project) <= 128 or set(project) & set("/\\#?%:"):
-        raise ValueError(f"wandb_project {project!r}: W&B takes 1 to 128 characters, none of / \\ # ? % :")
 
 
 def wandb_has_credentials() -> bool:
@@ -90,6 +85,12 @@ class Tracker:
         self._truncate_after(resume_step)
         if kind == "wandb":
             self.run = self._start_wandb(project, config)
+
+    @classmethod
+    def for_run(cls, accelerator: Accelerator, cfg, resume_step: int = 0) -> Tracker:
+        """The tracker a template's options ask for: their output_dir, tracker and wandb_project; all of them to W&B."""
+        return cls(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project,
+                   config=dataclasses.asdict(cfg), resume_step=resume_step)
 
     def _start_wandb(self, project: str, config: dict):
         import wandb

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -26,69 +25,38 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from accelerate.utils import set_seed  # noqa: E402
-
-from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
-from common.checkpoint import CheckpointManager, check_output_dir, export_weights  # noqa: E402
-from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, check_full_batches, default_num_workers, split_by_key, split_indices  # noqa: E402
-from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
-from common.preemption import PreemptionWatcher  # noqa: E402
-from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.accelerator import start_run  # noqa: E402
+from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
+from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
+from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
+from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.preemption import end_run  # noqa: E402
+from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
 @dataclass
-class Config:
+class Config(OptimOptions, RunOptions):
     """Train a residual CNN to classify images: scikit-learn's digits by default, or your class folders."""
 
-    data_dir: str | None = field(default=None, metadata={"help": "Folder of class folders (or train/ and val/ of them); default: digits."})
-    image_size: int = field(default=32, metadata={"help": "Side length images from --data_dir are resized to."})
-    val_fraction: float = field(default=0.2, metadata={"help": "Share held out for validation when there is no val/ folder."})
-    output_dir: str = field(default="runs/image_classification", metadata={"help": "Checkpoints, metrics and the export go here."})
-    epochs: int = field(default=30, metadata={"help": "Passes over the training data."})
-    batch_size: int = field(default=64, metadata={"help": "Per process, per micro-batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate for one process."})
-    lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
-    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay (matrices and kernels only)."})
-    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
-    grad_clip: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (0: no clipping)."})
-    width: int = field(default=32, metadata={"help": "Channels of the first stage (doubled per stage)."})
-    depth: int = field(default=2, metadata={"help": "Residual blocks per stage."})
-    dropout: float = field(default=0.1, metadata={"help": "Dropout before the classifier."})
-    label_smoothing: float = field(default=0.05, metadata={"help": "Cross-entropy label smoothing."})
-    augment: bool = field(default=True, metadata={"help": "Random shifts, scales and rotations of training images."})
-    hflip: bool = field(default=False, metadata={"help": "Also flip training images left-right (not for digits)."})
-    num_workers: int = field(default=-1, metadata={"help": "Loader workers per process; -1 picks for the data."})
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
-    seed: int = field(default=0, metadata={"help": "Seeds init, data order, dropout and augmentation."})
-    resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
-    checkpoint_every_steps: int = field(default=0, metadata={"help": "Also checkpoint every N optimizer steps (0: epoch ends only)."})
-    keep_last: int = field(default=3, metadata={"help": "Periodic checkpoints to keep (the best is kept apart)."})
-    stop_after_steps: int = field(default=0, metadata={"help": "End this session after N optimizer steps with a checkpoint (0: never)."})
-    log_every_steps: int = field(default=10, metadata={"help": "Log the training loss every N optimizer steps."})
-    tracker: str = field(default="wandb", metadata={"help": "wandb (offline without credentials) or none."})
-    wandb_project: str = field(default="image-classification-template", metadata={"help": "W&B project name."})
-    timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
-
-    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
-    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
-    RANGES: ClassVar[dict] = {
-        "image_size": "[1, 1024]", "val_fraction": "(0, 1)", "epochs": "[1, inf)", "batch_size": "[1, inf)",
-        "gradient_accumulation_steps": "[1, inf)", "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING,
-        "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)", "grad_clip": "[0, inf)", "width": "[1, inf)",
-        "depth": "[1, inf)", "dropout": "[0, 1)", "label_smoothing": "[0, 1)", "num_workers": "[-1, 128]",
-        "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]", "checkpoint_every_steps": "[0, inf)",
-        "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)", "log_every_steps": "[1, inf)", "tracker": TRACKERS,
-        "timeout_s": "[1, 604800]",
-    }
-
-    def __post_init__(self):
-        check_ranges(self)
-        check_wandb_project(self.wandb_project)
+    data_dir: str | None = option(None, "Folder of class folders (or train/ and val/ of them); default: digits.")
+    image_size: int = option(32, "Side length images from --data_dir are resized to.", "[1, 1024]")
+    val_fraction: float = option(0.2, "Share held out for validation when there is no val/ folder.", "(0, 1)")
+    epochs: int = option(30, "Passes over the training data.", "[1, inf)")
+    batch_size: int = option(64, "Images per process, per micro-batch.", "[1, inf)")
+    learning_rate: float = option(2e-3, "Peak learning rate for one process.", "(0, inf)")
+    weight_decay: float = option(0.05, "AdamW weight decay (matrices and kernels only).", "[0, inf)")
+    width: int = option(32, "Channels of the first stage (doubled per stage).", "[1, inf)")
+    depth: int = option(2, "Residual blocks per stage.", "[1, inf)")
+    dropout: float = option(0.1, "Dropout before the classifier.", "[0, 1)")
+    label_smoothing: float = option(0.05, "Cross-entropy label smoothing.", "[0, 1)")
+    augment: bool = option(True, "Random shifts, scales and rotations of training images.")
+    hflip: bool = option(False, "Also flip training images left-right (not for digits).")
+    num_workers: int = option(-1, "Loader workers per process; -1 picks for the data.", "[-1, 128]")
+    output_dir: str = option("runs/image_classification", "Checkpoints, metrics, status.json and the export go here.")
+    wandb_project: str = option("image-classification-template", "W&B project name.")
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -162,7 +130,8 @@ def load_datasets(cfg: Config) -> Images:
             f"--data_dir {root}: need at least 2 class folders with images ({', '.join(sorted(IMAGE_SUFFIXES))}) "
             f"in training and validation; found {len(classes)} classes, {len(train_paths)} + {len(val_paths)} images"
         )
-    train, val = ImageFiles(train_paths, train_labels, cfg.image_size), ImageFiles(val_paths, val_labels, cfg.image_size)
+    train, val = (ImageFiles(paths, labels, cfg.image_size) for paths, labels in
+                  ((train_paths, train_labels), (val_paths, val_labels)))
     return Images(train, val, 3, classes, cfg.image_size)
 
 
@@ -176,9 +145,10 @@ def augment(images: torch.Tensor, hflip: bool) -> torch.Tensor:
     angle = (torch.rand(n, device=images.device) - 0.5) * (2 * math.pi / 18)  # +-10 degrees
     scale = 1.0 + (torch.rand(n, device=images.device) - 0.5) * 0.2
     shift = (torch.rand(n, 2, device=images.device) - 0.5) * 0.25
-    flip = torch.where(torch.rand(n, device=images.device) < 0.5, -1.0, 1.0) if hflip else torch.ones(n, device=images.device)
+    flip = torch.where(torch.rand(n, device=images.device) < 0.5, -1.0, 1.0) if hflip else torch.ones_like(scale)
     cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
-    theta = torch.stack([torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)], 1)
+    rows = [torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)]
+    theta = torch.stack(rows, 1)
     grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
     return F.grid_sample(images, grid, padding_mode="border", align_corners=False)
 
@@ -211,15 +181,18 @@ class ResNet(nn.Module):
         # Stored with the run and in the export: ResNet(**options) rebuilds this model anywhere.
         self.options = dict(in_channels=in_channels, num_classes=num_classes, width=width, depth=depth, stages=stages,
                             dropout=dropout)
-        layers: list[nn.Module] = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), group_norm(width), nn.ReLU()]
+        layers: list[nn.Module] = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), group_norm(width),
+                                   nn.ReLU()]
         channels = width
         for stage in range(stages):
             if stage > 0:  # halve the resolution, double the channels
-                layers += [nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1, bias=False), group_norm(channels * 2), nn.ReLU()]
+                down = nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1, bias=False)
+                layers += [down, group_norm(channels * 2), nn.ReLU()]
                 channels *= 2
             layers += [Block(channels) for _ in range(depth)]
         self.features = nn.Sequential(*layers)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels, num_classes))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+                                  nn.Linear(channels, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -251,31 +224,14 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 @report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
-    cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
-    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
-    accelerator = build_accelerator(
-        seed=cfg.seed,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        timeout_s=cfg.timeout_s,
-    )
-    accelerator.print(describe(accelerator))
-    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
-    set_seed(cfg.seed)  # the same initial weights on every rank
+    accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
 
     data = load_datasets(cfg)
     train_set, val_set = data.train, data.val
     num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers())
-    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index, num_workers=num_workers)
-    train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **loader_args)
-    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
-    train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
-    micro_batches = len(train_loader)
-    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
-    warning = check_full_batches(micro_batches, len(train_set), cfg.batch_size, accelerator.num_processes,
-                                 "training images")
-    if warning:
-        accelerator.print(f"warning: {warning}")
+    train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
+        accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers,
+        what="training images")
     steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
 
@@ -289,14 +245,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager(
         accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
-        metric="val/accuracy", mode="max", keep_last=cfg.keep_last, model_info=model_info,
+        metric="val/accuracy", mode="max", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps,
+        seed=cfg.seed, model_info=model_info,
     )
-    set_seed(cfg.seed, device_specific=True)  # each rank its own dropout and augmentation stream
-    progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
-    tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=progress.step)  # W&B, metrics.jsonl: main process
     accelerator.print(
-        f"{len(train_set)} training / {len(val_set)} validation images, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{len(train_set)} training / {len(val_set)} validation images, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{total_steps} optimizer steps, learning rate {learning_rate:g}"
     )
 
@@ -322,8 +279,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
-                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+                # an fp16 overflow: the scaler skipped this step (counted over the whole run)
+                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
             progress.batches_in_epoch += 1
+            if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
+                progress.epoch, progress.batches_in_epoch = epoch + 1, 0
             progress.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
             progress.interval_batches += 1
             if not accelerator.sync_gradients:
@@ -334,25 +294,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bar.update(1)
             if progress.step % cfg.log_every_steps == 0:
                 train_loss = progress.interval_loss_sum / progress.interval_batches
-                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
-                             "epoch": epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
+                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0],
+                             "train/skipped_steps": progress.skipped_steps,
+                             "epoch": progress.epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 progress.interval_loss_sum, progress.interval_batches = 0.0, 0
-            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0 and progress.batches_in_epoch < micro_batches:
-                ckpt.save(progress)  # not at an epoch's last step: that is saved after its evaluation, below
+            if progress.batches_in_epoch == 0:  # the epoch's last step: evaluate, then checkpoint with the result
+                metrics = evaluate(model, val_loader, accelerator)
+                tracker.log(metrics | {"epoch": progress.epoch}, step=progress.step)
+                say(accelerator, f"epoch {progress.epoch}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, "
+                                 f"val accuracy {metrics['val/accuracy']:.2%}")
+                ckpt.save(progress, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
+            ckpt.save_if_due(progress)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
                 break
-        if stopping:  # save exactly where we are (even at an epoch's end: a resume then evaluates it)
-            ckpt.save(progress)
+        if stopping:
+            ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
             break
-        progress.epoch, progress.batches_in_epoch = epoch + 1, 0
-        metrics = evaluate(model, val_loader, accelerator)
-        tracker.log(metrics | {"epoch": epoch + 1}, step=progress.step)
-        say(accelerator, f"epoch {epoch + 1}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, val accuracy {metrics['val/accuracy']:.2%}")
-        ckpt.save_best(progress, metrics["val/accuracy"])  # before save(): the periodic checkpoint records the new best
-        ckpt.save(progress)
     bar.close()
 
     reason = preemption.describe() if preempted else "--stop_after_steps" if stopping else ""
@@ -364,13 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             metrics = evaluate(model, val_loader, accelerator)
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
-        accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} (best {progress.best_metric:.2%} at step {progress.best_step})")
-    requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
-    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
-    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
-    accelerator.end_training()
-    if requeue:
-        sys.exit(EXIT_PREEMPTED)  # tells a job script (README: Slurm) or W&B to requeue the run
+        accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "
+                          f"(best {progress.best_metric:.2%} at step {progress.best_step})")
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
     return metrics
 
 

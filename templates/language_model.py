@@ -14,152 +14,73 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import sys
 import sysconfig
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Subset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from accelerate.utils import set_seed  # noqa: E402
-
-from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe  # noqa: E402
-from common.checkpoint import (  # noqa: E402
-    MAY_CHANGE_ON_RESUME, CheckpointManager, check_output_dir, export_weights, load_exported,
-)
-from common.config import check_ranges, config_to_dict, parse_config  # noqa: E402
-from common.data import build_loader, check_full_batches, split_by_key  # noqa: E402
-from common.errors import EXIT_PREEMPTED, NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
-from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.preemption import PreemptionWatcher  # noqa: E402
-from common.tracking import TRACKERS, Tracker, check_wandb_project, progress_bar, say, sweep_run_dir  # noqa: E402
+from common.accelerator import device_peak_tflops, model_flops_utilization, peak_memory_gb, start_run  # noqa: E402
+from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
+from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
+from common.data import TokenWindows, build_loaders, largest_token, split_by_key, token_file  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
+from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.preemption import end_run  # noqa: E402
+from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per GPU from the vendors' datasheets; fp16 for
-# GPUs without bf16 (V100, T4), which train in fp16 here. The first name contained in the device name wins,
-# so specific names come first. None: no published figure (A10G), so no MFU unless --peak_tflops is given.
-PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
-    ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-    ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
-    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0), ("T4", 65.0),
-    ("MI300X", 1307.0),
-)
-
-
 @dataclass
-class Config:
+class Config(OptimOptions, RunOptions):
     """Train a GPT-style language model: byte-level on the Python stdlib by default, or your text or token files."""
 
-    data_path: str | None = field(default=None, metadata={"help": "Text file, folder of text files, or uint16 token file(s); default: the Python stdlib."})
-    val_fraction: float = field(default=0.1, metadata={"help": "Held out for validation: whole files of a folder, or a single file's tail."})
-    vocab_size: int = field(default=0, metadata={"help": "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256."})
-    output_dir: str = field(default="runs/language_model", metadata={"help": "Checkpoints, metrics and the export go here."})
-    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps to train for."})
-    eval_every_steps: int = field(default=200, metadata={"help": "Validate (and checkpoint) every N optimizer steps; 0: only at the end."})
-    eval_batches: int = field(default=8, metadata={"help": "Validation batches (over all processes together), the same each time."})
-    batch_size: int = field(default=32, metadata={"help": "Sequences per process, per micro-batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=5e-3, metadata={"help": "Peak LR for one process (5e-3 suits the small default; ~6e-4 for GPT-2 sizes)."})
-    lr_scaling: str = field(default="none", metadata={"help": "Scale the LR with the number of processes: none, linear or sqrt."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices and embeddings only)."})
-    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup before the cosine decay."})
-    grad_clip: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (0: no clipping)."})
-    block_size: int = field(default=64, metadata={"help": "Context length in tokens."})
-    n_layer: int = field(default=3, metadata={"help": "Transformer blocks."})
-    n_head: int = field(default=4, metadata={"help": "Attention heads per block."})
-    n_embd: int = field(default=64, metadata={"help": "Model width (a multiple of n_head)."})
-    dropout: float = field(default=0.0, metadata={"help": "Dropout on embeddings, attention and residual branches."})
-    init_from: str | None = field(default=None, metadata={"help": "A model.safetensors export to fine-tune (same model options)."})
-    compile: bool = field(default=False, metadata={"help": "torch.compile each transformer block."})
-    activation_checkpointing: bool = field(default=False, metadata={"help": "Recompute each block's activations in backward: less memory."})
-    prompt: str = field(default="def ", metadata={"help": "Text the sample at the end continues (byte-level data only)."})
-    sample_tokens: int = field(default=200, metadata={"help": "Tokens to sample at the end (0: no sample)."})
-    temperature: float = field(default=0.8, metadata={"help": "Sampling temperature of that sample."})
-    num_workers: int = field(default=0, metadata={"help": (
-        "Loader workers per process; -1 picks for the data, which here is 0: reading in the training process, as "
-        "a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a worker "
-        "(bench/data_loading.py). Raise it for slow storage.")})
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16."})
-    seed: int = field(default=0, metadata={"help": "Seeds init, data order and dropout."})
-    resume: str = field(default="auto", metadata={"help": "auto (newest checkpoint in output_dir), none, or a checkpoint path."})
-    checkpoint_every_steps: int = field(default=0, metadata={"help": "Also checkpoint every N optimizer steps (0: at evaluations only)."})
-    keep_last: int = field(default=3, metadata={"help": "Periodic checkpoints to keep (the best is kept apart)."})
-    stop_after_steps: int = field(default=0, metadata={"help": "End this session after N optimizer steps with a checkpoint (0: never)."})
-    log_every_steps: int = field(default=50, metadata={"help": "Log loss, throughput and memory every N optimizer steps."})
-    peak_tflops: float = field(default=0.0, metadata={"help": "Peak TFLOP/s of one device for MFU (0: look the GPU up by name)."})
-    tracker: str = field(default="wandb", metadata={"help": "wandb (offline without credentials) or none."})
-    wandb_project: str = field(default="language-model-template", metadata={"help": "W&B project name."})
-    timeout_s: int = field(default=600, metadata={"help": "Seconds a rank waits for the others before the job fails."})
-
-    # What each option may be, checked before anything runs and shown by --help: [ ] includes an end, ( ) does
-    # not, and an end of inf means no bound (a float must then be finite); strings list their choices.
-    RANGES: ClassVar[dict] = {
-        "val_fraction": "(0, 1)", "vocab_size": "[0, 65536]", "eval_every_steps": "[0, inf)",
-        "max_steps": "[1, 99999999]",  # checkpoint folders are named with 8 digits: step_00001000
-        "eval_batches": "[1, inf)", "batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
-        "learning_rate": "(0, inf)", "lr_scaling": LR_SCALING, "weight_decay": "[0, inf)", "warmup_steps": "[0, inf)",
-        "grad_clip": "[0, inf)", "block_size": "[1, inf)", "n_layer": "[1, inf)", "n_head": "[1, inf)",
-        "n_embd": "[1, inf)", "dropout": "[0, 1)", "sample_tokens": "[0, inf)", "temperature": "[0.001, inf)",
-        "num_workers": "[-1, 128]", "mixed_precision": MIXED_PRECISION_CHOICES, "seed": "[0, 2147483647]",
-        "checkpoint_every_steps": "[0, inf)", "keep_last": "[1, inf)", "stop_after_steps": "[0, inf)",
-        "log_every_steps": "[1, inf)", "peak_tflops": "[0, inf)", "tracker": TRACKERS, "timeout_s": "[1, 604800]",
-    }
+    data_path: str | None = option(None, "Text file, folder of text files, or uint16 token file(s); default: stdlib.")
+    val_fraction: float = option(0.1, "Held out: whole files of a folder, or a single file's tail.", "(0, 1)")
+    vocab_size: int = option(0, "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256.", "[0, 65536]")
+    max_steps: int = option(1000, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
+    eval_every_steps: int = option(200, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
+                                   "[0, inf)")
+    eval_batches: int = option(8, "Validation batches (over all processes together), the same each time.", "[1, inf)")
+    batch_size: int = option(32, "Sequences per process, per micro-batch.", "[1, inf)")
+    learning_rate: float = option(5e-3, "Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)")
+    block_size: int = option(64, "Context length in tokens.", "[1, inf)")
+    n_layer: int = option(3, "Transformer blocks.", "[1, inf)")
+    n_head: int = option(4, "Attention heads per block.", "[1, inf)")
+    n_embd: int = option(64, "Model width (a multiple of n_head).", "[1, inf)")
+    dropout: float = option(0.0, "Dropout on embeddings, attention and residual branches.", "[0, 1)")
+    init_from: str | None = option(None, "A model.safetensors export to fine-tune (same model options).")
+    compile: bool = option(False, "torch.compile each transformer block.")
+    activation_checkpointing: bool = option(False, "Recompute each block's activations in backward: less memory.")
+    prompt: str = option("def ", "Text the sample at the end continues (byte-level data only).")
+    sample_tokens: int = option(200, "Tokens to sample at the end (0: no sample).", "[0, inf)")
+    temperature: float = option(0.8, "Sampling temperature of that sample.", "[0.001, inf)")
+    # -1 picks 0 here: a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a
+    # worker (bench/data_loading.py); raise it for slow storage.
+    num_workers: int = option(0, "Loader workers per process; -1 picks for the data (0).", "[-1, 128]")
+    peak_tflops: float = option(0.0, "Peak TFLOP/s of one device for MFU (0: look the GPU up by name).", "[0, inf)")
+    output_dir: str = option("runs/language_model", "Checkpoints, metrics, status.json and the export go here.")
+    log_every_steps: int = option(50, "Log loss, throughput and memory every N optimizer steps.", "[1, inf)")
+    wandb_project: str = option("language-model-template", "W&B project name.")
 
     def __post_init__(self):
-        check_ranges(self)
-        check_wandb_project(self.wandb_project)
+        super().__post_init__()
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
 
 
 # ----------------------------------------------------------------------------------------- data
-class TokenWindows(Dataset):
-    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T.
-
-    Windows are fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch).
-    An item is a pure function of its index, which is what makes the data position saved in a checkpoint
-    enough for an exact resume; a per-epoch random offset would need the epoch inside the loader
-    workers, and persistent workers never see it. Token files are memory-mapped, once per process.
-    """
-
-    def __init__(self, tokens: np.ndarray | Path, block_size: int, start: int = 0, stop: int | None = None):
-        self.tokens, self.block_size, self.start = tokens, block_size, start
-        self.stop = stop if stop is not None else len(self.array())
-        self._memmap = None
-
-    def array(self) -> np.ndarray:
-        if isinstance(self.tokens, np.ndarray):
-            return self.tokens
-        if getattr(self, "_memmap", None) is None:
-            self._memmap = np.memmap(self.tokens, dtype=np.uint16, mode="r")
-        return self._memmap
-
-    def __getstate__(self) -> dict:
-        return self.__dict__ | {"_memmap": None}  # a pickled memmap would be a full in-memory copy
-
-    def __len__(self) -> int:
-        return max(0, (self.stop - self.start - 1) // self.block_size)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        begin = self.start + index * self.block_size
-        chunk = torch.from_numpy(self.array()[begin : begin + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
-
-
 @dataclass
 class Corpus:
     train: TokenWindows
@@ -180,25 +101,6 @@ def read_text_files(files: list[Path]) -> np.ndarray:
         return np.frombuffer(b"".join(path.read_bytes() for path in files), dtype=np.uint8)
     except OSError as error:
         raise UsageError(f"cannot read {error.filename} ({error.strerror})") from None
-
-
-def token_file(path: Path) -> Path:
-    try:
-        size = path.stat().st_size
-        path.open("rb").close()  # it is memory-mapped later, in the loader
-    except OSError as error:
-        raise UsageError(f"cannot read token file {path} ({error.strerror})") from None
-    if size == 0:
-        raise UsageError(f"token file {path} is empty")
-    if size % 2:
-        raise UsageError(f"token file {path} has {size} bytes, not a multiple of 2: not a file of uint16 tokens")
-    return path
-
-
-def largest_token(path: Path) -> int:
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    chunk = 1 << 24  # a scan in pieces: many-GB files are never read into memory at once
-    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
 def load_corpus(cfg: Config) -> Corpus:
@@ -226,7 +128,8 @@ def load_corpus(cfg: Config) -> Corpus:
         vocab_size = cfg.vocab_size or 64 * math.ceil((largest + 1) / 64)
         return check_corpus(Corpus(train, val, vocab_size, False, f"uint16 tokens from {path}"), cfg)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        hidden = lambda p: any(part.startswith(".") for part in p.relative_to(path).parts)  # noqa: E731
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p))
         return text_corpus(path, files, cfg, f"{len(files)} files under {path}")
     return text_corpus(path.parent, [path], cfg, f"text file {path}")
 
@@ -249,8 +152,9 @@ def text_corpus(root: Path, files: list[Path], cfg: Config, description: str) ->
 
 def check_corpus(corpus: Corpus, cfg: Config) -> Corpus:
     if len(corpus.train) == 0 or len(corpus.val) == 0:
-        sizes = f"{corpus.train.stop - corpus.train.start} training / {corpus.val.stop - corpus.val.start} validation tokens"
-        raise UsageError(f"{corpus.description}: {sizes}, too few for a window of --block_size {cfg.block_size} + 1 in each split")
+        train, val = corpus.train.stop - corpus.train.start, corpus.val.stop - corpus.val.start
+        raise UsageError(f"{corpus.description}: {train} training / {val} validation tokens, too few for a window "
+                         f"of --block_size {cfg.block_size} + 1 in each split")
     return corpus
 
 
@@ -285,7 +189,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(n_embd, bias=False)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln2 = nn.LayerNorm(n_embd, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(), nn.Linear(4 * n_embd, n_embd, bias=False))
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=False))
         self.drop = nn.Dropout(dropout)
         self.activation_checkpointing = activation_checkpointing
 
@@ -348,7 +253,8 @@ def build_model(cfg: Config, vocab_size: int) -> GPT:
     if cfg.init_from is not None:
         positions = exported_positions(Path(cfg.init_from))
         if positions is not None and cfg.block_size > positions:
-            raise UsageError(f"--block_size {cfg.block_size} is longer than the {positions} positions the model in {cfg.init_from} allows")
+            raise UsageError(f"--block_size {cfg.block_size} is longer than the {positions} positions "
+                             f"the model in {cfg.init_from} allows")
         block_size = positions or cfg.block_size  # shorter training sequences use the first positions
     model = GPT(vocab_size, block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.activation_checkpointing)
     if cfg.init_from is not None:
@@ -385,7 +291,8 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 
 
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temperature: float, generator: torch.Generator) -> torch.Tensor:
+def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temperature: float,
+             generator: torch.Generator) -> torch.Tensor:
     """Sample continuations; every rank runs it, as FSDP needs all ranks in each forward."""
     model.eval()
     idx = prompt
@@ -396,54 +303,21 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temp
     return idx[:, prompt.shape[1]:]
 
 
-def device_peak_tflops(device: torch.device, override: float) -> float | None:
-    if override > 0:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name), None)
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak RSS: KiB on Linux, bytes on macOS
-    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
-
-
 # ----------------------------------------------------------------------------------------- main
 @report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
-    cfg.output_dir = sweep_run_dir(cfg.output_dir)  # under `wandb agent`: each run its own folder
-    check_output_dir(cfg.output_dir)  # before anything is written, on every rank
-    accelerator = build_accelerator(
-        seed=cfg.seed,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        timeout_s=cfg.timeout_s,
-    )
-    accelerator.print(describe(accelerator))
-    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
+    accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
     torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left on Ampere and newer GPUs
-    set_seed(cfg.seed)  # the same initial weights on every rank
 
     corpus = load_corpus(cfg)
     # Validation: the same evenly spread windows every time and for any number of processes.
     eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
-    val_set = Subset(corpus.val, np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int)).tolist())
-    loader_args = dict(seed=cfg.seed, device=accelerator.device, rank=accelerator.process_index,
-                       num_workers=max(0, cfg.num_workers))  # -1 (pick for the data) is 0: see --help
-    train_loader = build_loader(corpus.train, batch_size=cfg.batch_size, train=True, **loader_args)
-    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **loader_args)
-    train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # each rank now holds its shard
-    micro_batches = len(train_loader)
-    # No full batch: refused, naming the --batch_size that fits; a large share left out of each epoch: a warning.
-    warning = check_full_batches(micro_batches, len(corpus.train), cfg.batch_size, accelerator.num_processes,
-                                 "training windows")
-    if warning:
-        accelerator.print(f"warning: {warning}")
+    spread = np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int))
+    val_set = Subset(corpus.val, spread.tolist())
+    train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
+        accelerator, corpus.train, val_set, batch_size=cfg.batch_size, seed=cfg.seed,
+        num_workers=max(0, cfg.num_workers), what="training windows")  # -1 (pick for the data) is 0: see --help
 
     model = build_model(cfg, corpus.vocab_size)
     model_info = {"model": model.options, "byte_level": corpus.byte_level}  # what using the model needs, with the run
@@ -460,20 +334,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager(
         accelerator, cfg.output_dir, template="language_model", config=config_to_dict(cfg),
-        metric="val/loss", mode="min", keep_last=cfg.keep_last,
+        metric="val/loss", mode="min", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
         # These change how the run is watched or how fast it runs, not what it trains: a resume may change them.
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                            "compile", "activation_checkpointing"},
         model_info=model_info,
     )
-    set_seed(cfg.seed, device_specific=True)  # each rank its own dropout stream
-    progress = ckpt.resume(cfg.resume)  # restores those streams too when it resumes
+    progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
-    tracker = Tracker(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project, config=config_to_dict(cfg), resume_step=progress.step)
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=progress.step)  # W&B, metrics.jsonl: main process
     peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
     tokens_per_micro_batch = cfg.batch_size * cfg.block_size * accelerator.num_processes
     accelerator.print(
-        f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, {len(val_set) * cfg.block_size:,} validation tokens, "
+        f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
+        f"{len(val_set) * cfg.block_size:,} validation tokens, "
         f"vocabulary {corpus.vocab_size}, {n_params:,} parameters, {cfg.max_steps} optimizer steps "
         f"({micro_batches} micro-batches per epoch), learning rate {learning_rate:g}"
     )
@@ -486,14 +360,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         say(accelerator, f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
         if record:  # not when a finished run is resumed: its evaluation is logged and saved already
             tracker.log(metrics, step=progress.step)
-            ckpt.save_best(progress, metrics["val/loss"])  # before save(): the periodic checkpoint records the new best
-            ckpt.save(progress)
+            ckpt.save(progress, metrics["val/loss"])  # and the best checkpoint, if it is the best so far
         return metrics
 
     bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
     session_steps, timed_batches = 0, 0
     metrics: dict[str, float] = {}
-    stopping = preempted = mfu_warned = False
+    stopping = preempted = False
     model.train()
     interval_start = time.perf_counter()
     while progress.step < cfg.max_steps and not stopping:
@@ -511,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
-                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+                # an fp16 overflow: the scaler skipped this step (counted over the whole run)
+                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
             progress.batches_in_epoch += 1
             if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
                 progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
@@ -527,15 +401,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if progress.step % cfg.log_every_steps == 0:
                 elapsed = time.perf_counter() - interval_start
                 tokens_per_s = timed_batches * tokens_per_micro_batch / elapsed
-                logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches, "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
+                logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches,
+                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
                           "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
-                if peak_tflops:
-                    mfu = flops_per_token * tokens_per_s / (accelerator.num_processes * peak_tflops * 1e12)
-                    if mfu <= 1:
-                        logged["mfu"] = mfu
-                    elif not mfu_warned:  # impossible: the peak is wrong, so report nothing rather than a false number
-                        warnings.warn(f"MFU would be {mfu:.0%}: the peak of {peak_tflops:g} TFLOP/s is too low; pass --peak_tflops")
-                        mfu_warned = True
+                if (mfu := model_flops_utilization(flops_per_token * tokens_per_s, accelerator.num_processes,
+                                                   peak_tflops)) is not None:
+                    logged["mfu"] = mfu
                 tracker.log(logged, step=progress.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 progress.interval_loss_sum, progress.interval_batches = 0.0, 0
@@ -543,8 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if progress.step == cfg.max_steps or (cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0):
                 metrics = validate()
                 timed_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
-            if cfg.checkpoint_every_steps and progress.step % cfg.checkpoint_every_steps == 0:
-                ckpt.save(progress)
+            ckpt.save_if_due(progress)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if progress.step == cfg.max_steps:
                 break
@@ -572,12 +442,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
-    requeue = stopping and preemption.requeue  # preempted, not stopped for good by a sweep agent
-    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
-    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
-    accelerator.end_training()
-    if requeue:
-        sys.exit(EXIT_PREEMPTED)  # tells a job script (README: Slurm) or W&B to requeue the run
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
     return metrics
 
 

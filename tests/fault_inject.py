@@ -192,7 +192,8 @@ if FAULT in ("inf_loss", "nan_loss"):
     F.cross_entropy = cross_entropy
 
 if FAULT == "inf_loss":
-    real_build = template.build_accelerator
+    accelerator_module = sys.modules["common.accelerator"]  # start_run builds the Accelerator through it
+    real_build = accelerator_module.build_accelerator
 
     def build_fp16_accelerator(**kwargs):
         accelerator = real_build(**kwargs)
@@ -204,7 +205,7 @@ if FAULT == "inf_loss":
         accelerator.state._mixed_precision = "fp16"
         return accelerator
 
-    template.build_accelerator = build_fp16_accelerator
+    accelerator_module.build_accelerator = build_fp16_accelerator
 
 record()
 try:
