@@ -19,7 +19,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 class PreemptionWatcher:
     def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
-        self.accelerator = accelerator
+        # Not the accelerator itself: the signal handlers keep this object alive to the end of the process,
+        # and through the accelerator's model they would keep the process group from ever being freed
+        # (common.accelerator.release_process_group).
+        self.num_processes = accelerator.num_processes
+        self.device = accelerator.device
         self.received: int | None = None
         for signum in signals:
             signal.signal(signum, self._on_signal)
@@ -30,9 +34,9 @@ class PreemptionWatcher:
     def stop_requested(self) -> bool:
         """True on every rank if any rank received a stop signal. Call it on all ranks at the same step."""
         local = 1 if self.received is not None else 0
-        if self.accelerator.num_processes == 1 or not dist.is_initialized():
+        if self.num_processes == 1 or not dist.is_initialized():
             return bool(local)
-        flag = torch.tensor([local], device=self.accelerator.device, dtype=torch.int32)
+        flag = torch.tensor([local], device=self.device, dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
