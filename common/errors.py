@@ -7,7 +7,9 @@ import functools
 import os
 import re
 import sys
-from typing import Callable, TypeVar
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
 # Exit codes the templates document (README, "Exit codes").
 EXIT_USAGE = 2  # bad config, CLI value, data path, checkpoint or sweep file
@@ -73,10 +75,28 @@ def _peer_reason(error: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
-def _report(message: str, code: int, every_rank: bool = False) -> None:
+def _release_process_group(error: BaseException | None = None) -> None:
+    """Free the process group before Python shuts down (common.accelerator.release_process_group).
+
+    The group is freed only once nothing refers to it, and the frames of a traceback keep main()'s
+    model alive: `error`'s are cleared first.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    accelerator = sys.modules.get("common.accelerator")  # never imported here: the search runner has no torch
+    if accelerator is not None:
+        accelerator.release_process_group()
+
+
+def _report(message: str, code: int, error: BaseException, every_rank: bool = False) -> None:
     _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
     if every_rank or is_first_local_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
+    if code != EXIT_RANK_LOST:  # a collective may still wait on the lost rank: joining its thread could hang
+        _release_process_group(error)
     sys.exit(code)
 
 
@@ -85,28 +105,37 @@ def report_usage_errors(main: F) -> F:
 
     UsageError -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine,
     as every rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number.
+    After main() returns or exits, and after those errors but a lost rank, the process group is freed
+    before Python shuts down (common.accelerator.release_process_group).
     """
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
+        except SystemExit as stop:  # main's own sys.exit(), e.g. EXIT_PREEMPTED
+            _release_process_group(stop)
+            raise
         except UsageError as error:
-            _report(one_line(error), EXIT_USAGE)
+            _report(one_line(error), EXIT_USAGE, error)
         except NonFiniteError as error:
-            _report(one_line(error), EXIT_NON_FINITE)
+            _report(one_line(error), EXIT_NON_FINITE, error)
         except SaveError as error:
-            _report(one_line(error), EXIT_SAVE_FAILED)
+            _report(one_line(error), EXIT_SAVE_FAILED, error)
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             where = f" writing {error.filename}" if error.filename else ""
-            _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
+            _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED,
+                    error)
         except RuntimeError as error:
             if not is_rank_lost(error):
                 raise
             rank = os.environ.get("RANK", "0")
             _report(f"rank {rank}: another rank died or did not answer within --timeout_s ({_peer_reason(error)}); "
-                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST, every_rank=True)
+                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST, error,
+                    every_rank=True)
+        _release_process_group()
+        return result
 
     return wrapper  # type: ignore[return-value]
