@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import resource
 import sys
@@ -12,6 +13,7 @@ from datetime import timedelta
 import accelerate.accelerator
 import accelerate.optimizer
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import (
@@ -29,6 +31,15 @@ from common.errors import UsageError
 from common.preemption import PreemptionWatcher
 from common.tracking import sweep_run_dir
 
+
+if dist.is_available():
+    # Imported before any process group exists. Its functions take `group=group.WORLD` as a default argument,
+    # evaluated on import; imported later (DDP imports it lazily) that default holds the live group forever,
+    # and the group could never be freed (release_process_group).
+    import torch.distributed.nn.functional
+
+# The process group build_accelerator joined: held here so that release_process_group() drops the last reference.
+_GROUPS: list = []
 
 # accelerate's optimizer wrapper asks on every step (twice) and its backward once whether the optional
 # lomo_optim package is installed: an uncached import-system search costing ~0.1 ms each, measured as
@@ -92,6 +103,8 @@ def build_accelerator(
     )
     if use_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         _enable_fsdp2_on_cpu(accelerator)
+    if dist.is_available() and dist.is_initialized():
+        _GROUPS.append(dist.group.WORLD)
     return accelerator
 
 
@@ -107,6 +120,34 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
     preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
     set_seed(cfg.seed)
     return accelerator, preemption
+
+
+def release_process_group() -> None:
+    """Destroy the process group and free it now, while Python is fully alive: gloo's worker threads end here.
+
+    gloo runs each collective on a worker thread, which lets go of the collective's tensors a moment after
+    the caller has the result; letting go of a tensor made in Python takes the GIL. Those threads end only
+    when the group is freed, and `destroy_process_group()` (accelerate's `end_training`) does not free it
+    while anything still refers to it: the model, and torch's own caches. A group that outlives the
+    interpreter leaves its threads running into interpreter shutdown, where a late let-go kills its thread
+    inside a destructor: std::terminate, SIGABRT, and a finished run exits -6 (README, "Errors and exit
+    codes"). Freeing the group joins its threads, with the GIL released, so each let-go happens first.
+
+    Call it after the training function has returned, as `report_usage_errors` does: its model holds the
+    group too. Without a process group it does nothing.
+    """
+    if not _GROUPS and not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # reference cycles that still reach the model
+    mesh_class = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    if mesh_class is not None:
+        # FSDP2's device meshes live on in DTensor's sharding caches, and each holds its process groups
+        for obj in gc.get_objects():
+            if mesh_class in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
+                obj._pg_registry.clear()
+    _GROUPS.clear()  # the last reference: freeing the group joins gloo's worker threads
 
 
 def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:

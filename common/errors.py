@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import sys
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -93,6 +94,22 @@ def _record_failure(code: int, message: str) -> None:
         _failure_hook(code, message)
 
 
+def _release_process_group(error: BaseException | None = None) -> None:
+    """Free the process group before Python shuts down (common.accelerator.release_process_group).
+
+    The group is freed only once nothing refers to it, and the frames of a traceback keep main()'s
+    model alive: `error`'s are cleared first.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    accelerator = sys.modules.get("common.accelerator")  # never imported here: the search runner has no torch
+    if accelerator is not None:
+        accelerator.release_process_group()
+
+
 def _report(message: str, code: int, every_rank: bool = False) -> None:
     _record_failure(code, message)
     _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
@@ -120,7 +137,8 @@ def report_usage_errors(main: F | None = None, *, interrupted: str = "") -> F:
     UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
     (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
     that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
-    `@report_usage_errors(interrupted="...")`.
+    `@report_usage_errors(interrupted="...")`. After main() returns or exits, but not after a lost rank,
+    the process group is freed before Python shuts down (common.accelerator.release_process_group).
     """
     if main is None:
         return functools.partial(report_usage_errors, interrupted=interrupted)  # type: ignore[return-value]
@@ -128,16 +146,20 @@ def report_usage_errors(main: F | None = None, *, interrupted: str = "") -> F:
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return reported(*args, **kwargs)
-        except SystemExit as error:  # ours above (already recorded), or a template's exit code
+            result = reported(*args, **kwargs)
+        except SystemExit as error:  # ours below (already recorded), or a template's exit code
             if error.code not in (0, None):
                 _record_failure(error.code if isinstance(error.code, int) else 1, str(error.code))
+            if error.code != EXIT_RANK_LOST:  # a collective may still wait on the lost rank: joining could hang
+                _release_process_group(error)
             raise
         except BaseException as error:  # a bug, or Ctrl-C: the traceback follows; the end state says failed
             _record_failure(130 if isinstance(error, KeyboardInterrupt) else 1, one_line(error))
             raise
         finally:
             at_failure(None)
+        _release_process_group()
+        return result
 
     def reported(*args, **kwargs):
         try:
@@ -162,7 +184,8 @@ def report_usage_errors(main: F | None = None, *, interrupted: str = "") -> F:
                 raise
             rank = os.environ.get("RANK", "0")
             _report(f"rank {rank}: another rank died or did not answer within --timeout_s ({_peer_reason(error)}); "
-                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST, every_rank=True)
+                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST,
+                    every_rank=True)
 
     return wrapper  # type: ignore[return-value]
 

@@ -36,7 +36,11 @@ def under_sweep_agent() -> bool:
 
 class PreemptionWatcher:
     def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
-        self.accelerator = accelerator
+        # Not the accelerator itself: the signal handlers keep this object alive to the end of the process,
+        # and through the accelerator's model they would keep the process group from ever being freed
+        # (common.accelerator.release_process_group).
+        self.num_processes = accelerator.num_processes
+        self.device = accelerator.device
         self.received: int | None = None
         for signum in signals:
             signal.signal(signum, self._on_signal)
@@ -51,8 +55,8 @@ class PreemptionWatcher:
         Afterwards every rank holds the same `received` signal, also the ranks that got none.
         """
         local = _RANK.get(self.received, 1)
-        if self.accelerator.num_processes > 1 and dist.is_initialized():
-            flag = torch.tensor([local], device=self.accelerator.device, dtype=torch.int32)
+        if self.num_processes > 1 and dist.is_initialized():
+            flag = torch.tensor([local], device=self.device, dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             local = int(flag.item())
         if local and self.received is None:  # another rank's signal: adopt it, so every rank ends alike
