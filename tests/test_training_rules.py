@@ -150,9 +150,11 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(template, t
 def test_loss_is_accumulated_as_a_python_float(template):
     """`running_loss += loss` would keep every step's autograd graph alive; the templates add `loss.item()`."""
     tree = ast.parse((REPO / "templates" / f"{template}.py").read_text())
+    # `running_loss += ...` or `progress.interval_loss_sum += ...` (kept in checkpoints)
+    target_name = lambda target: getattr(target, "id", None) or getattr(target, "attr", "")  # noqa: E731
     accumulations = [
         node for node in ast.walk(tree)
-        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and "loss" in node.target.id
+        if isinstance(node, ast.AugAssign) and "loss" in target_name(node.target)
     ]
     assert accumulations, "the template should accumulate its training loss for logging"
     for node in accumulations:
