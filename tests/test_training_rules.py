@@ -68,7 +68,17 @@ class Recorder:
 
             monkeypatch.setattr(owner, name, wrapper)
 
-        wrap(torch.optim.AdamW, "zero_grad", lambda self, set_to_none=True: ("zero_grad", set_to_none))
+        real_zero_grad = torch.optim.AdamW.zero_grad
+
+        @functools.wraps(real_zero_grad)
+        def zero_grad(optimizer, set_to_none=True):
+            result = real_zero_grad(optimizer, set_to_none=set_to_none)
+            # the effect: every gradient freed (None), not a tensor of zeros that is then added to
+            freed = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
+            record(("zero_grad", set_to_none, freed))
+            return result
+
+        monkeypatch.setattr(torch.optim.AdamW, "zero_grad", zero_grad)
         wrap(torch.optim.AdamW, "step", lambda self, *a, **k: ("step",))
         wrap(Accelerator, "backward", lambda self, loss, **k: ("backward",))
         wrap(Accelerator, "clip_grad_norm_", lambda self, *a, **k: ("clip",))
@@ -103,7 +113,7 @@ def test_step_order_zero_grad_backward_clip_step(template, accumulation, tmp_pat
         # zero_grad(set_to_none=True) opens the step, then one backward per micro-batch,
         # clipping after the last backward, then the optimizer step.
         assert window == ["zero_grad"] + ["backward"] * accumulation + ["clip", "step"], window
-    assert all(event[1] is True for event in recorder.events if event[0] == "zero_grad")
+    assert all(event[1] is True and event[2] for event in recorder.events if event[0] == "zero_grad")
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
