@@ -179,6 +179,9 @@ MUTATIONS = [
     mutation("non-finite-loss-trained-on", "mixed precision: non-finite stops", LM,
              "if not torch.isfinite(grad_norm) and accelerator.scaler is None:", "if False:",
              tests=NON_FINITE.format(lm)),
+    mutation("fp16-overflow-stops-the-run", "mixed precision: fp16 overflow skipped", IMAGE,
+             "if not torch.isfinite(grad_norm) and accelerator.scaler is None:", "if not torch.isfinite(grad_norm):",
+             tests=TR + "test_fp16_overflow_is_skipped_by_the_scaler_not_fatal[image_classification]"),
     # --- checkpoints
     mutation("rng-reseeded-after-resume", "checkpoints: whole state (RNG)", IMAGE,
              RNG_THEN_RESUME, "".join(reversed(RNG_THEN_RESUME.splitlines(keepends=True))),

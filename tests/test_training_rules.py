@@ -566,3 +566,37 @@ def test_template_loaders_shuffle_and_drop_only_for_training_and_never_pin_on_cp
     for loader in (train, val):
         assert loader.pin_memory is False  # no GPU here: pinning would only cost
         assert loader.num_workers == 1 and loader.persistent_workers is True and loader.worker_init_fn is not None
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_fp16_overflow_is_skipped_by_the_scaler_not_fatal(template, tmp_path, monkeypatch, fresh_accelerate):
+    """Under fp16 a non-finite loss is the loss scaler's business: the step is skipped (and counted), the
+    run goes on; only without a scaler does it stop the run (test_non_finite_loss_stops_the_run...)."""
+    from common.tracking import Tracker
+
+    module = load_template(template)
+    attach_fp16_scaler(monkeypatch, module, init_scale=2.0**10)
+    real_cross_entropy, real_log, real_step = torch.nn.functional.cross_entropy, Tracker.log, torch.optim.AdamW.step
+    calls, logged = {"train": 0, "steps": 0}, []
+
+    def cross_entropy(*args, **kwargs):
+        loss = real_cross_entropy(*args, **kwargs)
+        if torch.is_grad_enabled():
+            calls["train"] += 1
+            if calls["train"] == 3:
+                return loss * math.inf
+        return loss
+
+    @functools.wraps(real_step)
+    def step(optimizer, *args, **kwargs):
+        calls["steps"] += 1
+        return real_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(Tracker, "log", lambda self, metrics, step: logged.append(metrics) or real_log(self, metrics,
+                                                                                                 step))
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    run_main(module, template, tmp_path / "run", log_every_steps=1, **SHORT[template])
+    skipped = [metrics["train/skipped_steps"] for metrics in logged if "train/skipped_steps" in metrics]
+    assert skipped[-1] == 1 and (tmp_path / "run" / "model.safetensors").is_file()
+    assert calls["steps"] == len(skipped) - 1  # every optimizer step but the overflowing one was taken
