@@ -11,7 +11,7 @@ and must pass, or a failure would prove nothing. Tests that fail only because a 
 rarely: a loader worker forked while other threads run can deadlock in CPython 3.11) run once more; a
 second hang is an error, never `caught`.
 
-    python scripts/check_rule_tests.py              # every mutation (about 20 minutes on 2 busy cores)
+    python scripts/check_rule_tests.py              # every mutation (4-5 minutes on 2 idle cores)
     python scripts/check_rule_tests.py --list       # the mutations, one a line
     python scripts/check_rule_tests.py --only no-set-epoch-image --only clip-after-step
     python scripts/check_rule_tests.py --check      # no tests run: every text still found once, every test id exists

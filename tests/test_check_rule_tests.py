@@ -1,6 +1,6 @@
 """scripts/check_rule_tests.py stays in step with the code: every mutation's text is still found exactly
 once in its file, and every test it names is still collected. The script's full run (each mutation's
-tests, about 20 minutes) is not part of the suite; this dry run catches drift in seconds."""
+tests, about 5 minutes) is not part of the suite; this dry run catches drift in seconds."""
 
 from __future__ import annotations
 
