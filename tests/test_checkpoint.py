@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
+import os
 import random
+import shutil
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +19,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors import safe_open
 
+import common.checkpoint as checkpoint_module
 from common.accelerator import build_accelerator
 from common.checkpoint import (
     PROGRESS_FILE,
@@ -536,3 +540,157 @@ def test_two_ranks_save_and_restore_each_ranks_rng(tmp_path):
         assert rank["ticks"] == rank["ticks_restored"] == 2  # one scheduler tick per optimizer step
     assert ranks[0]["after_save"] != ranks[1]["after_save"]  # ... and not the other rank's
     assert not list((output / "checkpoints").glob(".tmp-*"))
+
+
+# --- kills between the steps of a save or a deletion ------------------------------------------------
+
+class Kill(BaseException):
+    """Stands in for SIGKILL at one point of a save: a BaseException, so no `except OSError` sees it."""
+
+
+COMPLETE_FILES = {PROGRESS_FILE, "model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
+
+
+class KillAt:
+    """Counts the filesystem operations on checkpoints/ (saving the state, writing progress.json, renames,
+    unlinks, tree copies and deletions) and kills the process at operation `at`: before it, or, for
+    save_state and rmtree, half-way through (files half-written; some files deleted, progress.json last)."""
+
+    def __init__(self, monkeypatch, accelerator, checkpoints: Path, at: int):
+        self.count, self.at, self.fired = 0, at, None
+        inside = lambda path: Path(path).resolve().is_relative_to(checkpoints.resolve())  # noqa: E731
+
+        def point(what: str) -> bool:
+            """Counts an operation; True when the kill falls on it."""
+            self.count += 1
+            if self.count == self.at:
+                self.fired = what
+                return True
+            return False
+
+        def before(real, what):
+            @functools.wraps(real)
+            def wrapper(*args, **kwargs):
+                if inside(args[0]) and point(what):
+                    raise Kill(what)
+                return real(*args, **kwargs)
+            return wrapper
+
+        real_save_state, real_rmtree = accelerator.save_state, shutil.rmtree
+
+        def save_state(output_dir, *args, **kwargs):
+            if point("before save_state"):
+                raise Kill("before save_state")
+            result = real_save_state(output_dir, *args, **kwargs)
+            if point("in save_state"):
+                for file in Path(output_dir).iterdir():  # every file cut to half: the kill came mid-write
+                    if file.is_file():
+                        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+                raise Kill("in save_state")
+            return result
+
+        def rmtree(path, *args, **kwargs):
+            if inside(path) and point(f"before rmtree {Path(path).name}"):
+                raise Kill("before rmtree")
+            if inside(path) and point(f"in rmtree {Path(path).name}"):
+                for file in sorted(Path(path).iterdir(), key=lambda p: p.name == PROGRESS_FILE)[:2]:
+                    file.unlink()  # two files gone, progress.json (if still there) the last to go
+                raise Kill("in rmtree")
+            return real_rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(accelerator, "save_state", save_state)
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+        monkeypatch.setattr(os, "replace", before(os.replace, "os.replace"))
+        monkeypatch.setattr(Path, "unlink", before(Path.unlink, "unlink"))
+        monkeypatch.setattr(shutil, "copytree", before(shutil.copytree, "copytree"))
+        monkeypatch.setattr(checkpoint_module, "_write_json", before(checkpoint_module._write_json, "progress.json"))
+
+
+def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_complete_checkpoints(tmp_path,
+                                                                                                 fresh_accelerate):
+    """A checkpoint at step 3 that is the new best, in a run keeping 2: save the best (deleting the
+    previous best), a better one at the same step (replacing it), link the periodic one to it (deleting
+    the oldest periodic one). Killed before or inside each filesystem operation of that in turn, the
+    folder must hold no folder under a final name that looks complete (progress.json) and is not, nor
+    an incomplete one that was never complete (a save published early); a folder being deleted may be
+    left half-deleted, without its progress.json; and resume picks the newest complete checkpoint and
+    loads exactly the weights saved there."""
+    at, outcomes = 0, []
+    while True:
+        at += 1
+        job = setup(tmp_path / f"kill{at}", keep_last=2)
+        job.ckpt.resume("none")
+        weights = {}
+        progress = Progress(step=1)
+        for step in (1, 2):
+            train(job, 1)
+            progress.step = step
+            job.ckpt.save_best(progress, 0.1 * step)
+            job.ckpt.save(progress)
+            weights[step] = params(job)
+        train(job, 1)
+        weights[3] = params(job)
+        assert names(job) == ["step_00000001", "best_step_00000002", "step_00000002"]
+        published = set(names(job))  # complete checkpoints before the interrupted call: these may be deleted
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            kill = KillAt(monkeypatch, job.accelerator, job.ckpt.dir, at)
+            try:
+                progress.step = 3
+                for save in (lambda: job.ckpt.save_best(progress, 0.8), lambda: job.ckpt.save_best(progress, 0.9),
+                             lambda: job.ckpt.save(progress)):
+                    save()  # a best, a better one at the same step (replacing it), the periodic one
+                    published |= set(names(job))
+            except Kill:
+                pass
+        if kill.fired is None:
+            break  # the save ran to its end: every point before was tried
+        outcomes.append(kill.fired)
+        where = f"killed {kill.fired} (operation {at})"
+        for folder in job.ckpt.dir.iterdir():
+            if folder.name.startswith(".tmp-"):
+                continue
+            files = {p.name for p in folder.iterdir()}
+            if PROGRESS_FILE in files:
+                assert files == COMPLETE_FILES, f"{where}: {folder.name} looks complete but holds {sorted(files)}"
+                saved = read_progress(folder)["step"]
+                other = setup(tmp_path / f"check{at}-{folder.name}", init_seed=9)
+                other.ckpt.config = job.ckpt.config
+                assert other.ckpt.resume(str(folder)).step == saved, where
+                assert same_tensors(params(other), weights[saved]), f"{where}: {folder.name} holds other weights"
+            else:
+                # only a deletion (of a checkpoint that was complete) may leave an incomplete folder under a final name
+                assert folder.name in published, f"{where}: {folder.name} is published but incomplete: {sorted(files)}"
+        again = setup(job.ckpt.output_dir, init_seed=5)
+        resumed = again.ckpt.resume("auto")
+        assert resumed.step in (2, 3), where
+        assert same_tensors(params(again), weights[resumed.step]), where
+    # the points tried: the state saved, progress.json written, renamed, old ones deleted, the twin linked
+    assert at > 10 and any("in rmtree" in o for o in outcomes) and "in save_state" in outcomes
+    assert {"os.replace", "progress.json", "copytree", "unlink"} <= set(outcomes)
+
+
+def test_a_deletion_cut_short_leaves_no_folder_that_looks_complete(tmp_path, fresh_accelerate, monkeypatch):
+    """keep-last's deletion removes progress.json first: killed inside the tree deletion, the half-deleted
+    folder is not a checkpoint, resume ignores it, and the newest one is resumed."""
+    job = setup(tmp_path / "run", keep_last=1)
+    job.ckpt.resume("none")
+    job.ckpt.save(Progress(step=1))
+    train(job, 1)
+    weights = params(job)
+    real_rmtree = shutil.rmtree
+
+    def rmtree_killed_half_way(path, *args, **kwargs):
+        for file in sorted(Path(path).iterdir(), key=lambda p: p.name == PROGRESS_FILE)[:2]:
+            file.unlink()  # what a kill in the middle of rmtree leaves: some files gone, others not
+        raise Kill("in rmtree")
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_killed_half_way)
+    with pytest.raises(Kill):
+        job.ckpt.save(Progress(step=2))
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    half = job.ckpt.dir / "step_00000001"
+    assert half.is_dir() and not (half / PROGRESS_FILE).exists(), sorted(p.name for p in half.iterdir())
+    assert names(job) == ["step_00000002"]
+    again = setup(job.ckpt.output_dir, init_seed=3)
+    assert again.ckpt.resume("auto").step == 2
+    assert same_tensors(params(again), weights)

@@ -1,19 +1,30 @@
-"""The loop rules every template follows, checked by running each template in-process and
+"""The loop and data rules every template follows, checked by running each template in-process and
 recording what it does: the order of zero_grad / backward / clip / step, train vs eval mode,
-gather_for_metrics in evaluation, non-finite losses stopping the run, loss accumulated as floats."""
+gather_for_metrics in evaluation, non-finite losses stopping the run, loss accumulated as floats;
+and what those calls achieve: the gradient norm the optimizer sees, the logged loss, the order of the
+training samples epoch by epoch (also across a resume), every validation sample once and in order, a
+resume that ends bit-identical, splits whose contents never overlap. The rules that need two ranks are
+in test_distributed_rules.py; scripts/check_rule_tests.py breaks each rule by hand and runs these."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import itertools
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
-
+from accelerate.state import AcceleratorState, GradientState
 from conftest import REPO, load_template
+from torch.utils.data import Dataset
+
+import common.accelerator as accelerator_module
+import common.data as data_module
 
 TEMPLATES = {
     # template file -> (model class to watch, tiny arguments for a run of a few steps)
@@ -59,7 +70,17 @@ class Recorder:
 
             monkeypatch.setattr(owner, name, wrapper)
 
-        wrap(torch.optim.AdamW, "zero_grad", lambda self, set_to_none=True: ("zero_grad", set_to_none))
+        real_zero_grad = torch.optim.AdamW.zero_grad
+
+        @functools.wraps(real_zero_grad)
+        def zero_grad(optimizer, set_to_none=True):
+            result = real_zero_grad(optimizer, set_to_none=set_to_none)
+            # the effect: every gradient freed (None), not a tensor of zeros that is then added to
+            freed = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
+            record(("zero_grad", set_to_none, freed))
+            return result
+
+        monkeypatch.setattr(torch.optim.AdamW, "zero_grad", zero_grad)
         wrap(torch.optim.AdamW, "step", lambda self, *a, **k: ("step",))
         wrap(Accelerator, "backward", lambda self, loss, **k: ("backward",))
         wrap(Accelerator, "clip_grad_norm_", lambda self, *a, **k: ("clip",))
@@ -94,7 +115,7 @@ def test_step_order_zero_grad_backward_clip_step(template, accumulation, tmp_pat
         # zero_grad(set_to_none=True) opens the step, then one backward per micro-batch,
         # clipping after the last backward, then the optimizer step.
         assert window == ["zero_grad"] + ["backward"] * accumulation + ["clip", "step"], window
-    assert all(event[1] is True for event in recorder.events if event[0] == "zero_grad")
+    assert all(event[1] is True and event[2] for event in recorder.events if event[0] == "zero_grad")
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
@@ -167,3 +188,415 @@ def test_clipping_goes_through_the_accelerator(template):
     source = (REPO / "templates" / f"{template}.py").read_text()
     assert "accelerator.clip_grad_norm_(" in source
     assert "nn.utils.clip_grad_norm_(" not in source and "nn.utils.clip_grad_value_(" not in source
+
+
+# --- effects, not calls ------------------------------------------------------------------------------
+# The tests above check that the right calls happen in the right order. The ones below check what the
+# calls achieve, so that a call made in the wrong way (clipping while the gradients are still scaled,
+# a shuffle that ignores the epoch, an overlapping split, ...) fails too.
+
+def options(template: str, **overrides) -> list[str]:
+    """TEMPLATES' tiny arguments with some replaced or added; every option given once."""
+    base = TEMPLATES[template][1]
+    values = dict(zip(base[::2], base[1::2]))
+    values.update({f"--{key}": str(value) for key, value in overrides.items()})
+    return [item for pair in values.items() for item in pair]
+
+
+# A shorter run than TEMPLATES' where a few steps show the effect
+SHORT = {"image_classification": {"epochs": 1}, "language_model": {"max_steps": 10, "eval_every_steps": 5}}
+
+
+def run_main(module, template: str, output: Path, **overrides):
+    """One in-process run (a new job: accelerate's singletons reset), without W&B."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    overrides.setdefault("resume", "none")
+    return module.main(options(template, output_dir=output, tracker="none", **overrides))
+
+
+def grad_norm(params) -> float:
+    """The total 2-norm of the gradients, in float64."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().double()) for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+
+def attach_fp16_scaler(monkeypatch, module, init_scale: float) -> None:
+    """fp16 on the CPU as accelerate sets it up on a GPU without bf16: a loss scaler that the optimizer
+    wrapper steps and that clip_grad_norm_ unscales with (as tests/fault_inject.py does)."""
+    real_build = accelerator_module.build_accelerator  # start_run builds the Accelerator through it
+
+    def build(**kwargs):
+        accelerator = real_build(**kwargs)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10**6)
+        accelerator.native_amp = True
+        accelerator.state._mixed_precision = "fp16"
+        return accelerator
+
+    monkeypatch.setattr(accelerator_module, "build_accelerator", build)
+
+
+class GradNorms:
+    """The true gradient norm after each backward (unscaled, as the loss scaler's scale is known) and the
+    norm of the gradients the optimizer is handed at each step."""
+
+    def __init__(self, monkeypatch):
+        self.after_backward: list[float] = []
+        self.steps: list[tuple[float, float]] = []  # (norm before clipping, norm the optimizer sees)
+        real_backward, real_step = Accelerator.backward, torch.optim.AdamW.step
+
+        @functools.wraps(real_backward)
+        def backward(accelerator, loss, **kwargs):
+            result = real_backward(accelerator, loss, **kwargs)
+            params = [p for optimizer in accelerator._optimizers for g in optimizer.param_groups for p in g["params"]]
+            scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else 1.0
+            self.after_backward.append(grad_norm(params) / scale)
+            return result
+
+        @functools.wraps(real_step)
+        def step(optimizer, *args, **kwargs):
+            seen = grad_norm(p for group in optimizer.param_groups for p in group["params"])
+            self.steps.append((self.after_backward[-1], seen))
+            return real_step(optimizer, *args, **kwargs)
+
+        monkeypatch.setattr(Accelerator, "backward", backward)
+        monkeypatch.setattr(torch.optim.AdamW, "step", step)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+@pytest.mark.parametrize("precision", ["fp32", "fp16-scaler"])
+def test_the_optimizer_sees_gradients_clipped_to_grad_clip(template, precision, tmp_path, monkeypatch,
+                                                          fresh_accelerate):
+    """Not only that clipping is called: the norm of the gradients the optimizer steps with is --grad_clip
+    (when they were larger), also under a loss scaler, where clipping the still-scaled gradients would
+    leave them grad_clip / scale after unscaling."""
+    module = load_template(template)
+    if precision == "fp16-scaler":
+        attach_fp16_scaler(monkeypatch, module, init_scale=2.0**10)
+    norms = GradNorms(monkeypatch)
+    clip = 1e-3
+    run_main(module, template, tmp_path / "run", grad_clip=clip, gradient_accumulation_steps=2, **SHORT[template])
+    assert len(norms.steps) >= 4
+    for number, (before, seen) in enumerate(norms.steps, 1):
+        assert before > 10 * clip, f"step {number}: the gradients were small enough already ({before})"
+        assert seen <= clip * (1 + 1e-6), f"step {number}: the optimizer saw a gradient norm of {seen} > {clip}"
+        assert seen == pytest.approx(clip, rel=1e-4), f"step {number}: gradients clipped to {seen}, not {clip}"
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_logged_training_loss_is_the_float_mean_of_its_micro_batches(template, tmp_path, monkeypatch, fresh_accelerate):
+    """The loss is accumulated as numbers (`loss.item()`), not as tensors that keep their graphs: what
+    is logged is a Python float, the mean of the micro-batch losses since the last log."""
+    from common.tracking import Tracker
+
+    module = load_template(template)
+    losses, logged = [], []
+    real_cross_entropy, real_log = torch.nn.functional.cross_entropy, Tracker.log
+
+    def cross_entropy(*args, **kwargs):
+        loss = real_cross_entropy(*args, **kwargs)
+        if torch.is_grad_enabled():  # training micro-batches only
+            losses.append(loss.item())
+        return loss
+
+    def log(self, metrics, step):
+        logged.append((step, dict(metrics)))
+        return real_log(self, metrics, step)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(Tracker, "log", log)
+    run_main(module, template, tmp_path / "run", log_every_steps=3, **SHORT[template])  # a micro-batch per step
+    records = [(step, metrics["train/loss"]) for step, metrics in logged if "train/loss" in metrics]
+    assert len(records) >= 3
+    previous = 0
+    for step, value in records:
+        assert type(value) is float, f"step {step}: logged {type(value).__name__}, not float"
+        assert value == pytest.approx(sum(losses[previous:step]) / (step - previous), rel=1e-12), step
+        previous = step
+
+
+class Recording(Dataset):
+    """The dataset a loader is given, recording each index it is asked for (workers: none, so in order)."""
+
+    def __init__(self, dataset, log: list[int]):
+        self.dataset, self.log = dataset, log
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        self.log.append(index)
+        return self.dataset[index]
+
+
+class DataWatch:
+    """What one in-process run trains and evaluates on, as indices into the datasets its loaders get.
+
+    accelerate's loader fetches one batch ahead, so of the indices fetched for training only the first
+    (micro-batches trained) x batch size were trained on; batches are trained in the order fetched.
+    """
+
+    def __init__(self, monkeypatch, module):
+        self.train_sets, self.val_sets, self.fetched, self.val_fetched = [], [], [], []
+        self.micro_batches, self.evaluations = 0, 0
+        real_build, real_backward, real_evaluate = data_module.build_loader, Accelerator.backward, module.evaluate
+
+        def build_loader(dataset, **kwargs):
+            (self.train_sets if kwargs["train"] else self.val_sets).append(dataset)
+            return real_build(Recording(dataset, self.fetched if kwargs["train"] else self.val_fetched), **kwargs)
+
+        @functools.wraps(real_backward)
+        def backward(accelerator, loss, **kwargs):
+            self.micro_batches += 1
+            return real_backward(accelerator, loss, **kwargs)
+
+        def evaluate(*args, **kwargs):
+            self.evaluations += 1
+            return real_evaluate(*args, **kwargs)
+
+        monkeypatch.setattr(data_module, "build_loader", build_loader)
+        monkeypatch.setattr(Accelerator, "backward", backward)
+        monkeypatch.setattr(module, "evaluate", evaluate)
+
+    def trained(self, batch_size: int) -> list[int]:
+        return self.fetched[: self.micro_batches * batch_size]
+
+
+def random_text(path: Path, size: int, seed: int) -> Path:
+    """Random lower-case words: no 8 bytes of it recur by chance, so shared content means a shared sample."""
+    rng = np.random.default_rng(seed)
+    letters = rng.choice(list(b"abcdefghijklmnopqrstuvwxyz     \n"), size=size).astype(np.uint8)
+    path.write_bytes(letters.tobytes())
+    return path
+
+
+# Interrupted runs for the shuffle, validation-order and resume tests. Image: 14 micro-batches of 96 an
+# epoch, 7 optimizer steps (accumulation 2), stopped at step 9 (epoch 2, 4 micro-batches in). Language
+# model: 168 training windows of a random text make 21 micro-batches of 8 an epoch, 11 optimizer steps;
+# stopped at step 13 (epoch 2, 4 micro-batches in), 16 steps in all; evaluations at steps 8 and 16.
+INTERRUPTED = {
+    "image_classification": ({"gradient_accumulation_steps": 2, "dropout": 0.3}, 9),
+    "language_model": ({"gradient_accumulation_steps": 2, "max_steps": 16, "eval_every_steps": 8, "eval_batches": 4,
+                        "data_path": "{corpus}", "dropout": 0.1, "log_every_steps": 4}, 13),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def interrupted_runs(request, tmp_path_factory):
+    """Per template: one uninterrupted run and one stopped mid-epoch 2 and resumed, each watched by DataWatch."""
+    template = request.param
+    module = load_template(template)
+    root = tmp_path_factory.mktemp(f"runs-{template}")
+    overrides, stop = INTERRUPTED[template]
+    corpus = random_text(root / "corpus.txt", 3000, seed=0)
+    overrides = {k: str(v).format(corpus=corpus) for k, v in overrides.items()}
+    watches = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for key in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "WANDB_MODE"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        for name, sessions in (("uninterrupted", [{}]),
+                               ("interrupted", [{"stop_after_steps": stop}, {"resume": "auto"}])):
+            for number, extra in enumerate(sessions):
+                with pytest.MonkeyPatch.context() as watching:
+                    watches.setdefault((name, number), DataWatch(watching, module))
+                    run_main(module, template, root / name, **overrides, **extra)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    batch_size = int(options(template)[options(template).index("--batch_size") + 1])
+    return SimpleNamespace(template=template, root=root, watches=watches, batch_size=batch_size, seed=0)
+
+
+def planned_order(train_set_size: int, micro_batches_per_epoch: int, batch_size: int, seed: int, samples: int):
+    """The training order that seed + epoch fixes: epoch e is a permutation from a generator seeded with
+    seed + e, less the incomplete last batch; `samples` of them in all."""
+    order = []
+    for epoch in itertools.count():
+        permutation = torch.randperm(train_set_size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        order += permutation[: micro_batches_per_epoch * batch_size]
+        if len(order) >= samples:
+            return order[:samples]
+
+
+def test_each_epoch_has_the_shuffle_that_seed_and_epoch_fix_also_after_a_resume(interrupted_runs):
+    """set_epoch: accelerate's sampler moves to the next epoch by itself in a loop that never stops, so only
+    a resume into a later epoch shows a missing set_epoch. Both runs must train on the order seed + epoch
+    gives, epoch by epoch (a different one each epoch), the resumed one continuing it mid-epoch."""
+    runs, batch_size = interrupted_runs, interrupted_runs.batch_size
+    whole = runs.watches[("uninterrupted", 0)]
+    (train_set,) = whole.train_sets
+    n = len(train_set)
+    per_epoch = n // batch_size  # one process: every full batch, the last partial one dropped
+    trained = whole.trained(batch_size)
+    planned = planned_order(n, per_epoch, batch_size, runs.seed, len(trained))
+    assert len(trained) > per_epoch * batch_size, "the run should reach a second epoch"
+    first, second = planned[: per_epoch * batch_size], planned[per_epoch * batch_size:]
+    assert first[: len(second)] != second and sorted(first) != first
+    assert trained[: len(first)] == first, "epoch 1 is not the order seed + 0 gives"
+    assert trained[len(first):] == second, "epoch 2 is not the order seed + 1 gives"
+    before, after = runs.watches[("interrupted", 0)], runs.watches[("interrupted", 1)]
+    assert len(before.trained(batch_size)) > per_epoch * batch_size  # stopped in the second epoch ...
+    resumed = before.trained(batch_size) + after.trained(batch_size)
+    assert resumed[: len(first)] == first
+    assert resumed[len(first):] == second, "after the resume, epoch 2 does not continue the order seed + 1 gives"
+
+
+def test_every_evaluation_sees_each_validation_sample_once_in_order(interrupted_runs):
+    for (name, session), watch in interrupted_runs.watches.items():
+        (val_set,) = watch.val_sets
+        assert watch.evaluations >= 1
+        assert watch.val_fetched == list(range(len(val_set))) * watch.evaluations, (name, session)
+
+
+def test_resumed_run_ends_bit_identical_in_process(interrupted_runs):
+    """The whole state is in the checkpoint: RNG streams (dropout, augmentation), scheduler, data position."""
+    from safetensors.torch import load_file
+
+    whole = load_file(str(interrupted_runs.root / "uninterrupted" / "model.safetensors"))
+    resumed = load_file(str(interrupted_runs.root / "interrupted" / "model.safetensors"))
+    assert sorted(whole) == sorted(resumed)
+    assert [key for key in whole if not torch.equal(whole[key], resumed[key])] == []
+
+
+# --- what the templates' loaders hold --------------------------------------------------------------
+
+class Built(BaseException):
+    """Ends a run once its loaders are built (a BaseException: no handler in the template turns it into an exit)."""
+
+
+def built_loaders(monkeypatch, module, template: str, output: Path, **overrides) -> dict[bool, tuple]:
+    """{train: (dataset, loader)} as the template builds them, before it prepares them; the run stops there."""
+    built, real_build = {}, data_module.build_loader
+
+    def build_loader(dataset, **kwargs):
+        built[kwargs["train"]] = (dataset, real_build(dataset, **kwargs))
+        if len(built) == 2:
+            raise Built
+        return built[kwargs["train"]][1]
+
+    monkeypatch.setattr(data_module, "build_loader", build_loader)
+    with pytest.raises(Built):
+        run_main(module, template, output, **overrides)
+    return built
+
+
+def sample_keys(dataset, ngram: int | None) -> set:
+    """What identifies a sample's content: images by their pixels' bytes; token windows by every `ngram`
+    consecutive tokens of the window (with its last target), so windows that overlap share some."""
+    keys = set()
+    for index in range(len(dataset)):
+        first, second = dataset[index]
+        if ngram is None:
+            keys.add(first.numpy().tobytes())
+        else:
+            tokens = torch.cat([first, second[-1:]]).tolist()
+            keys.update(tuple(tokens[i:i + ngram]) for i in range(len(tokens) - ngram + 1))
+    return keys
+
+
+def random_images(root: Path, classes: int = 2, per_class: int = 15) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in range(classes):
+        (root / f"class{label}").mkdir(parents=True)
+        for index in range(per_class):
+            pixels = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class{label}" / f"{index:03d}.png")
+    return root
+
+
+def random_tokens(path: Path, count: int) -> Path:
+    np.random.default_rng(1).integers(0, 60000, size=count, dtype=np.uint16).tofile(path)
+    return path
+
+
+def random_text_folder(root: Path, files: int = 12) -> Path:
+    root.mkdir()
+    for index in range(files):
+        random_text(root / f"part{index:02d}.txt", 600, seed=10 + index)
+    return root
+
+
+SPLIT_CASES = {
+    # case -> (template, options; {tmp} is the test's folder, made by the function named in DATA)
+    "digits": ("image_classification", {}),
+    "image-folder": ("image_classification", {"data_dir": "{tmp}/images", "image_size": 8, "batch_size": 4,
+                                              "val_fraction": 0.3, "num_workers": 0}),
+    "text-file": ("language_model", {"data_path": "{tmp}/corpus.txt"}),
+    "text-folder": ("language_model", {"data_path": "{tmp}/texts", "val_fraction": 0.3}),
+    "token-file": ("language_model", {"data_path": "{tmp}/tokens.bin"}),
+}
+DATA = {
+    "image-folder": lambda tmp: random_images(tmp / "images"),
+    "text-file": lambda tmp: random_text(tmp / "corpus.txt", 3000, seed=0),
+    "text-folder": lambda tmp: random_text_folder(tmp / "texts"),
+    "token-file": lambda tmp: random_tokens(tmp / "tokens.bin", 3000),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_template_trains_and_evaluates_on_disjoint_samples(case, tmp_path, monkeypatch, fresh_accelerate):
+    """No sample the template trains on is among those it evaluates on: checked on the content of the
+    datasets its loaders get, not only on the split function's indices."""
+    template, overrides = SPLIT_CASES[case]
+    if case in DATA:
+        DATA[case](tmp_path)
+    module = load_template(template)
+    overrides = {key: str(value).format(tmp=tmp_path) for key, value in overrides.items()}
+    built = built_loaders(monkeypatch, module, template, tmp_path / "run", **overrides)
+    (train_set, _), (val_set, _) = built[True], built[False]
+    assert len(train_set) > 0 and len(val_set) > 0
+    ngram = None if template == "image_classification" else 8
+    train_keys, val_keys = sample_keys(train_set, ngram), sample_keys(val_set, ngram)
+    assert len(val_keys) > 0
+    shared = train_keys & val_keys
+    assert not shared, f"{len(shared)} validation samples (or pieces of them) are also trained on"
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_template_loaders_shuffle_and_drop_only_for_training_and_never_pin_on_cpu(template, tmp_path, monkeypatch,
+                                                                                   fresh_accelerate):
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    built = built_loaders(monkeypatch, load_template(template), template, tmp_path / "run", num_workers=1)
+    train, val = built[True][1], built[False][1]
+    assert isinstance(train.sampler, RandomSampler) and train.drop_last is True
+    assert isinstance(val.sampler, SequentialSampler) and val.drop_last is False
+    for loader in (train, val):
+        assert loader.pin_memory is False  # no GPU here: pinning would only cost
+        assert loader.num_workers == 1 and loader.persistent_workers is True and loader.worker_init_fn is not None
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_fp16_overflow_is_skipped_by_the_scaler_not_fatal(template, tmp_path, monkeypatch, fresh_accelerate):
+    """Under fp16 a non-finite loss is the loss scaler's business: the step is skipped (and counted), the
+    run goes on; only without a scaler does it stop the run (test_non_finite_loss_stops_the_run...)."""
+    from common.tracking import Tracker
+
+    module = load_template(template)
+    attach_fp16_scaler(monkeypatch, module, init_scale=2.0**10)
+    real_cross_entropy, real_log, real_step = torch.nn.functional.cross_entropy, Tracker.log, torch.optim.AdamW.step
+    calls, logged = {"train": 0, "steps": 0}, []
+
+    def cross_entropy(*args, **kwargs):
+        loss = real_cross_entropy(*args, **kwargs)
+        if torch.is_grad_enabled():
+            calls["train"] += 1
+            if calls["train"] == 3:
+                return loss * math.inf
+        return loss
+
+    @functools.wraps(real_step)
+    def step(optimizer, *args, **kwargs):
+        calls["steps"] += 1
+        return real_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(Tracker, "log", lambda self, metrics, step: logged.append(metrics) or real_log(self, metrics,
+                                                                                                 step))
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    run_main(module, template, tmp_path / "run", log_every_steps=1, **SHORT[template])
+    skipped = [metrics["train/skipped_steps"] for metrics in logged if "train/skipped_steps" in metrics]
+    assert skipped[-1] == 1 and (tmp_path / "run" / "model.safetensors").is_file()
+    assert calls["steps"] == len(skipped) - 1  # every optimizer step but the overflowing one was taken
