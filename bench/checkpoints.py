@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     info = harness.machine()
     print(harness.describe_machine(info))
 
-    from common.checkpoint import CheckpointManager, Progress
+    from common.checkpoint import CheckpointManager, TrainingState
     import common.checkpoint as checkpoint_module
 
     accelerator, model, optimizer, scheduler = build(args.n_layer, args.n_embd, args.n_head, args.block_size)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.sync()  # start every save with nothing else waiting to be written (outside the timing)
                 start = time.perf_counter()
                 if what == "manager save":
-                    last_checkpoint = manager.save(Progress(step=repeat + 1))
+                    last_checkpoint = manager.save(TrainingState(step=repeat + 1))
                     sizes[what] = disk_bytes(last_checkpoint)
                 else:
                     path = workdir / ("plain.pt" if what == "torch.save" else "durable.pt")

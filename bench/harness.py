@@ -252,7 +252,7 @@ def run_template(name: str, argv: list[str], *, time_loader: bool = False, log_p
     try:
         with quiet(log_path), probed(module, probe, time_loader=time_loader, after_step=after_step):
             probe.info["result"] = module.main(argv)
-    except SystemExit as error:  # report_usage_errors turns bad input into exit code 2
+    except SystemExit as error:  # with_exit_codes turns bad input into exit code 2
         raise RuntimeError(f"{name} {' '.join(argv)} exited with {error.code}; see {log_path}") from None
     finally:
         probe.stop_loader_workers()

@@ -133,7 +133,7 @@ def release_process_group() -> None:
     inside a destructor: std::terminate, SIGABRT, and a finished run exits -6 (README, "Errors and exit
     codes"). Freeing the group joins its threads, with the GIL released, so each let-go happens first.
 
-    Call it after the training function has returned, as `report_usage_errors` does: its model holds the
+    Call it after the training function has returned, as `with_exit_codes` does: its model holds the
     group too. Without a process group it does nothing.
     """
     if not _GROUPS and not (dist.is_available() and dist.is_initialized()):

@@ -58,7 +58,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
 
 
 @dataclass
-class Progress:
+class TrainingState:
     """Where training stands; saved with every checkpoint and restored on resume."""
 
     step: int = 0  # optimizer steps taken
@@ -113,8 +113,8 @@ class CheckpointManager:
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
 
     # ----------------------------------------------------------------------------------- resume
-    def resume(self, resume: str) -> Progress:
-        """Restore the state named by `resume` ("auto", "none" or a checkpoint path) and return the progress.
+    def resume(self, resume: str) -> TrainingState:
+        """Restore the state named by `resume` ("auto", "none" or a checkpoint path) and return the state.
 
         "auto" continues from the newest complete checkpoint in this output folder, or starts fresh
         when there is none. "none" starts fresh and refuses a folder that already holds checkpoints,
@@ -145,11 +145,11 @@ class CheckpointManager:
         # Every rank must load the same checkpoint, whatever its view of the folder.
         chosen = [str(path) if path is not None else None]
         broadcast_object_list(chosen)
-        progress = Progress() if chosen[0] is None else self.load(Path(chosen[0]))
+        state = TrainingState() if chosen[0] is None else self.load(Path(chosen[0]))
         self._write_run_file()  # only now: a refused checkpoint leaves the folder as it was
-        return progress
+        return state
 
-    def load(self, path: Path) -> Progress:
+    def load(self, path: Path) -> TrainingState:
         meta = read_progress(path)
         if meta.get("template") != self.template:
             raise UsageError(
@@ -176,34 +176,34 @@ class CheckpointManager:
             if isinstance(error, RuntimeError) and is_rank_lost(error):
                 raise
             raise UsageError(f"checkpoint {path} does not fit this model and optimizer: {_reason(error)}") from None
-        fields = {f.name for f in dataclasses.fields(Progress)}
-        progress = Progress(**{k: v for k, v in meta.items() if k in fields})
-        self._print(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.batches_in_epoch})")
-        return progress
+        fields = {f.name for f in dataclasses.fields(TrainingState)}
+        state = TrainingState(**{k: v for k, v in meta.items() if k in fields})
+        self._print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
+        return state
 
     # ------------------------------------------------------------------------------------- save
-    def save(self, progress: Progress, metric: float | None = None) -> Path:
+    def save(self, state: TrainingState, metric: float | None = None) -> Path:
         """Checkpoint this step (unless it has a checkpoint) and keep only the newest `keep_last`.
 
-        At an evaluation pass its `metric`: when it is the best so far it is recorded in `progress` and
+        At an evaluation pass its `metric`: when it is the best so far it is recorded in `state` and
         the best checkpoint is written first, so the periodic one records the new best too.
         """
         if metric is not None:
-            self.save_best(progress, metric)
-        return self._save_periodic(progress)
+            self.save_best(state, metric)
+        return self._save_periodic(state)
 
-    def save_if_due(self, progress: Progress) -> Path | None:
+    def save_if_due(self, state: TrainingState) -> Path | None:
         """The periodic policy, called after every optimizer step: a checkpoint every `every_steps` steps
         (0: only where the template calls `save`, at evaluations and when it stops)."""
-        if self.every_steps and progress.step % self.every_steps == 0:
-            return self._save_periodic(progress)
+        if self.every_steps and state.step % self.every_steps == 0:
+            return self._save_periodic(state)
         return None
 
-    def _save_periodic(self, progress: Progress) -> Path:
-        path = self.dir / f"step_{progress.step:08d}"
+    def _save_periodic(self, state: TrainingState) -> Path:
+        path = self.dir / f"step_{state.step:08d}"
         if path in self.complete_checkpoints():
             return path
-        path = self._write(path.name, progress)
+        path = self._write(path.name, state)
         if self.accelerator.is_main_process:
             periodic = [p for p in self.complete_checkpoints() if p.name.startswith("step_")]
             for old in periodic[: -self.keep_last]:
@@ -211,19 +211,19 @@ class CheckpointManager:
         self.accelerator.wait_for_everyone()
         return path
 
-    def is_better(self, value: float, progress: Progress) -> bool:
+    def is_better(self, value: float, state: TrainingState) -> bool:
         if not math.isfinite(value):
             return False
-        if progress.best_metric is None:
+        if state.best_metric is None:
             return True
-        return value > progress.best_metric if self.mode == "max" else value < progress.best_metric
+        return value > state.best_metric if self.mode == "max" else value < state.best_metric
 
-    def save_best(self, progress: Progress, value: float) -> bool:
-        """If `value` beats the best so far, record it in `progress` and save the best checkpoint."""
-        if not self.is_better(value, progress):
+    def save_best(self, state: TrainingState, value: float) -> bool:
+        """If `value` beats the best so far, record it in `state` and save the best checkpoint."""
+        if not self.is_better(value, state):
             return False
-        progress.best_metric, progress.best_step = float(value), progress.step
-        path = self._write(f"best_step_{progress.step:08d}", progress)
+        state.best_metric, state.best_step = float(value), state.step
+        path = self._write(f"best_step_{state.step:08d}", state)
         if self.accelerator.is_main_process:
             for old in self.complete_checkpoints():
                 if old.name.startswith("best_step_") and old != path:
@@ -251,11 +251,11 @@ class CheckpointManager:
                 found.append((int(match.group(2)), match.group(1) == "step", path))
         return [path for _, _, path in sorted(found)]
 
-    def _write(self, name: str, progress: Progress) -> Path:
+    def _write(self, name: str, state: TrainingState) -> Path:
         accelerator = self.accelerator
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         # Decided on the main process and shared, so all ranks agree on whether to call save_state.
-        twin_holder = [self._same_step_twin(progress.step, exclude=name) if accelerator.is_main_process else None]
+        twin_holder = [self._checkpoint_of_same_step(state.step, exclude=name) if accelerator.is_main_process else None]
         broadcast_object_list(twin_holder)
         twin = twin_holder[0]
         # Each phase ends with every rank learning whether any rank failed (a full disk, say), so a
@@ -286,7 +286,7 @@ class CheckpointManager:
         if failure is None:
             if accelerator.is_main_process:
                 try:
-                    meta = dataclasses.asdict(progress) | {
+                    meta = dataclasses.asdict(state) | {
                         "template": self.template,
                         "world_size": accelerator.num_processes,
                         "metric": self.metric,
@@ -344,7 +344,7 @@ class CheckpointManager:
         dist.all_gather_object(failures, failure)
         return next((f"{f} (on rank {rank})" for rank, f in enumerate(failures) if f), None)
 
-    def _same_step_twin(self, step: int, exclude: str) -> Path | None:
+    def _checkpoint_of_same_step(self, step: int, exclude: str) -> Path | None:
         for path in self.complete_checkpoints():
             match = _NAME.match(path.name)
             if int(match.group(2)) == step and path.name != exclude:
@@ -413,7 +413,7 @@ def read_progress(path: Path) -> dict:
     except (OSError, ValueError) as error:
         raise UsageError(f"checkpoint {path}: unreadable {PROGRESS_FILE} ({error})") from None
     if not isinstance(meta, dict) or "step" not in meta:
-        raise UsageError(f"checkpoint {path}: {PROGRESS_FILE} is not a training progress record")
+        raise UsageError(f"checkpoint {path}: {PROGRESS_FILE} is not a training state record")
     return meta
 
 

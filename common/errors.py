@@ -131,17 +131,17 @@ def _out_of_memory(error: BaseException) -> str | None:
     return f" allocating {int(amount) / 2**30:,.1f} GiB" if unit == "bytes" else f" allocating {amount} {unit}"
 
 
-def report_usage_errors(main: F | None = None, *, interrupted: str = "") -> F:
+def with_exit_codes(main: F | None = None, *, interrupted: str = "") -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
 
     UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
     (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
     that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
-    `@report_usage_errors(interrupted="...")`. After main() returns or exits, but not after a lost rank,
+    `@with_exit_codes(interrupted="...")`. After main() returns or exits, but not after a lost rank,
     the process group is freed before Python shuts down (common.accelerator.release_process_group).
     """
     if main is None:
-        return functools.partial(report_usage_errors, interrupted=interrupted)  # type: ignore[return-value]
+        return functools.partial(with_exit_codes, interrupted=interrupted)  # type: ignore[return-value]
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -206,11 +206,11 @@ class RunStatus:
     With RUN_STATUS_FILE set, the same record is also written there (e.g. for a Slurm script).
     """
 
-    def __init__(self, accelerator, output_dir: str | os.PathLike, progress):
+    def __init__(self, accelerator, output_dir: str | os.PathLike, state):
         self.enabled = accelerator.is_main_process
         self.paths = [Path(output_dir) / STATUS_FILE] + ([Path(os.environ["RUN_STATUS_FILE"])]
                                                           if os.environ.get("RUN_STATUS_FILE") else [])
-        self.progress = progress  # read at each write: the step the run had reached
+        self.state = state  # read at each write: the step the run had reached
         self.ended = False
         self._write("running")
         at_failure(self.failed)  # every error that ends main() records itself here
@@ -228,7 +228,7 @@ class RunStatus:
     def _write(self, state: str, **fields) -> None:
         if not self.enabled:
             return
-        record = {"state": state, "step": self.progress.step, **fields, "host": socket.gethostname(),
+        record = {"state": state, "step": self.state.step, **fields, "host": socket.gethostname(),
                   "pid": os.getpid(), "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         for path in self.paths:
             tmp = path.with_name(f".{path.name}.tmp")

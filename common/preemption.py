@@ -70,7 +70,7 @@ class PreemptionWatcher:
             return False
         return not (under_sweep_agent() and self.received == signal.SIGTERM)
 
-    def describe(self) -> str:
+    def stop_reason(self) -> str:
         """Why the run stopped, for its last line."""
         if self.received is None:
             return "no stop signal"

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError, parse_config
-from common.errors import UsageError, report_usage_errors
+from common.errors import UsageError, with_exit_codes
 from search.sweep import (
     Sweep,
     build_command,
@@ -584,7 +584,7 @@ def format_table(results: dict, sweep: Sweep) -> str:
     return "\n".join(lines)
 
 
-@report_usage_errors
+@with_exit_codes
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)

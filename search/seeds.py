@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import UsageError, report_usage_errors
+from common.errors import UsageError, with_exit_codes
 from search.runner import parse_runner_config, split_passthrough
 from search.sweep import build_command, check_command_files, effective_args, load_sweep
 from search.trial import run_trial, trial_env
@@ -175,7 +175,7 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-@report_usage_errors
+@with_exit_codes
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)

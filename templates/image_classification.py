@@ -29,7 +29,7 @@ from common.accelerator import start_run  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
-from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import end_run  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
@@ -221,7 +221,7 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------- main
-@report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
+@with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
@@ -229,10 +229,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     data = load_datasets(cfg)
     train_set, val_set = data.train, data.val
     num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers())
-    train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
+    train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
         accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers,
         what="training images")
-    steps_per_epoch = math.ceil(micro_batches / cfg.gradient_accumulation_steps)
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
 
     model = build_model(cfg, data)
@@ -248,23 +248,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metric="val/accuracy", mode="max", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps,
         seed=cfg.seed, model_info=model_info,
     )
-    progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
-    status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
-    tracker = Tracker.for_run(accelerator, cfg, resume_step=progress.step)  # W&B, metrics.jsonl: main process
+    state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
+    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     accelerator.print(
         f"{len(train_set)} training / {len(val_set)} validation images, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{total_steps} optimizer steps, learning rate {learning_rate:g}"
     )
 
-    bar = progress_bar(accelerator, total_steps, initial=progress.step)
+    bar = progress_bar(accelerator, total_steps, initial=state.step)
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
-    for epoch in range(progress.epoch, cfg.epochs):
+    for epoch in range(state.epoch, cfg.epochs):
         model.train()
         train_loader.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
-        skip = progress.batches_in_epoch  # non-zero only in the epoch a resume lands in
+        skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         for images, labels in batches:
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
@@ -276,56 +276,56 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                     if not torch.isfinite(grad_norm) and accelerator.scaler is None:
-                        raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
+                        raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 # an fp16 overflow: the scaler skipped this step (counted over the whole run)
-                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
-            progress.batches_in_epoch += 1
-            if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
-                progress.epoch, progress.batches_in_epoch = epoch + 1, 0
-            progress.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
-            progress.interval_batches += 1
+                state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
+            state.batches_in_epoch += 1
+            if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
+                state.epoch, state.batches_in_epoch = epoch + 1, 0
+            state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            state.interval_batches += 1
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            progress.step += 1
+            state.step += 1
             session_steps += 1
             bar.update(1)
-            if progress.step % cfg.log_every_steps == 0:
-                train_loss = progress.interval_loss_sum / progress.interval_batches
+            if state.step % cfg.log_every_steps == 0:
+                train_loss = state.interval_loss_sum / state.interval_batches
                 tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0],
-                             "train/skipped_steps": progress.skipped_steps,
-                             "epoch": progress.epoch + progress.batches_in_epoch / micro_batches}, step=progress.step)
+                             "train/skipped_steps": state.skipped_steps,
+                             "epoch": state.epoch + state.batches_in_epoch / batches_per_epoch}, step=state.step)
                 bar.set_postfix(loss=f"{train_loss:.4f}")
-                progress.interval_loss_sum, progress.interval_batches = 0.0, 0
-            if progress.batches_in_epoch == 0:  # the epoch's last step: evaluate, then checkpoint with the result
+                state.interval_loss_sum, state.interval_batches = 0.0, 0
+            if state.batches_in_epoch == 0:  # the epoch's last step: evaluate, then checkpoint with the result
                 metrics = evaluate(model, val_loader, accelerator)
-                tracker.log(metrics | {"epoch": progress.epoch}, step=progress.step)
-                say(accelerator, f"epoch {progress.epoch}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, "
+                tracker.log(metrics | {"epoch": state.epoch}, step=state.step)
+                say(accelerator, f"epoch {state.epoch}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, "
                                  f"val accuracy {metrics['val/accuracy']:.2%}")
-                ckpt.save(progress, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
-            ckpt.save_if_due(progress)  # every --checkpoint_every_steps (a no-op if this step was just saved)
+                ckpt.save(state, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
+            ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
                 break
         if stopping:
-            ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
+            ckpt.save(state)  # exactly where we are (a no-op if this step was just saved)
             break
     bar.close()
 
-    reason = preemption.describe() if preempted else "--stop_after_steps" if stopping else ""
+    reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
-        accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
+        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
 
-    if progress.epoch == cfg.epochs:
+    if state.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
-        tracker.summary(metrics | {"best/val_accuracy": progress.best_metric})
+        tracker.summary(metrics | {"best/val_accuracy": state.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "
-                          f"(best {progress.best_metric:.2%} at step {progress.best_step})")
+                          f"(best {state.best_metric:.2%} at step {state.best_step})")
     end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
     return metrics
 

@@ -34,7 +34,7 @@ from common.accelerator import device_peak_tflops, model_flops_utilization, peak
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import TokenWindows, build_loaders, largest_token, split_by_key, token_file  # noqa: E402
-from common.errors import NonFiniteError, RunStatus, UsageError, report_usage_errors  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.preemption import end_run  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
@@ -304,7 +304,7 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temp
 
 
 # ----------------------------------------------------------------------------------------- main
-@report_usage_errors(interrupted="the checkpoints saved before are intact: continue with --resume auto")
+@with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto")
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
     spread = np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int))
     val_set = Subset(corpus.val, spread.tolist())
-    train_loader, val_loader, micro_batches = build_loaders(  # prepared: each rank holds its shard
+    train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
         accelerator, corpus.train, val_set, batch_size=cfg.batch_size, seed=cfg.seed,
         num_workers=max(0, cfg.num_workers), what="training windows")  # -1 (pick for the data) is 0: see --help
 
@@ -340,16 +340,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                            "compile", "activation_checkpointing"},
         model_info=model_info,
     )
-    progress = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
-    status = RunStatus(accelerator, cfg.output_dir, progress)  # status.json: "running" until the run ends
-    tracker = Tracker.for_run(accelerator, cfg, resume_step=progress.step)  # W&B, metrics.jsonl: main process
+    state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
+    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
     tokens_per_micro_batch = cfg.batch_size * cfg.block_size * accelerator.num_processes
     accelerator.print(
         f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
         f"{len(val_set) * cfg.block_size:,} validation tokens, "
         f"vocabulary {corpus.vocab_size}, {n_params:,} parameters, {cfg.max_steps} optimizer steps "
-        f"({micro_batches} micro-batches per epoch), learning rate {learning_rate:g}"
+        f"({batches_per_epoch} micro-batches per epoch), learning rate {learning_rate:g}"
     )
 
     def validate(record: bool = True) -> dict[str, float]:
@@ -357,21 +357,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if corpus.byte_level:  # one token is one byte: nats per token / ln 2 = bits per byte
             metrics["val/bpb"] = metrics["val/loss"] / math.log(2)
         bpb = f", {metrics['val/bpb']:.3f} bits per byte" if "val/bpb" in metrics else ""
-        say(accelerator, f"step {progress.step}: val loss {metrics['val/loss']:.4f}{bpb}")
+        say(accelerator, f"step {state.step}: val loss {metrics['val/loss']:.4f}{bpb}")
         if record:  # not when a finished run is resumed: its evaluation is logged and saved already
-            tracker.log(metrics, step=progress.step)
-            ckpt.save(progress, metrics["val/loss"])  # and the best checkpoint, if it is the best so far
+            tracker.log(metrics, step=state.step)
+            ckpt.save(state, metrics["val/loss"])  # and the best checkpoint, if it is the best so far
         return metrics
 
-    bar = progress_bar(accelerator, cfg.max_steps, initial=progress.step)
+    bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
     session_steps, timed_batches = 0, 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
     model.train()
     interval_start = time.perf_counter()
-    while progress.step < cfg.max_steps and not stopping:
-        train_loader.set_epoch(progress.epoch)  # a different order every epoch, the same on every rank
-        skip = progress.batches_in_epoch  # non-zero only in the epoch a resume lands in
+    while state.step < cfg.max_steps and not stopping:
+        train_loader.set_epoch(state.epoch)  # a different order every epoch, the same on every rank
+        skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         for inputs, targets in batches:
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
@@ -381,53 +381,53 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                     if not torch.isfinite(grad_norm) and accelerator.scaler is None:
-                        raise NonFiniteError(f"non-finite gradients at step {progress.step + 1} (loss {loss.item()}); "
+                        raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 # an fp16 overflow: the scaler skipped this step (counted over the whole run)
-                progress.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
-            progress.batches_in_epoch += 1
-            if progress.batches_in_epoch == micro_batches:  # the epoch is done; the next starts from its first batch
-                progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
-            progress.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
-            progress.interval_batches += 1
+                state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
+            state.batches_in_epoch += 1
+            if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
+                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+            state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            state.interval_batches += 1
             timed_batches += 1
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            progress.step += 1
+            state.step += 1
             session_steps += 1
             bar.update(1)
-            if progress.step % cfg.log_every_steps == 0:
+            if state.step % cfg.log_every_steps == 0:
                 elapsed = time.perf_counter() - interval_start
                 tokens_per_s = timed_batches * tokens_per_micro_batch / elapsed
-                logged = {"train/loss": progress.interval_loss_sum / progress.interval_batches,
-                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": progress.skipped_steps,
+                logged = {"train/loss": state.interval_loss_sum / state.interval_batches,
+                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps,
                           "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
                 if (mfu := model_flops_utilization(flops_per_token * tokens_per_s, accelerator.num_processes,
                                                    peak_tflops)) is not None:
                     logged["mfu"] = mfu
-                tracker.log(logged, step=progress.step)
+                tracker.log(logged, step=state.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-                progress.interval_loss_sum, progress.interval_batches = 0.0, 0
+                state.interval_loss_sum, state.interval_batches = 0.0, 0
                 timed_batches, interval_start = 0, time.perf_counter()
-            if progress.step == cfg.max_steps or (cfg.eval_every_steps and progress.step % cfg.eval_every_steps == 0):
+            if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
                 timed_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
-            ckpt.save_if_due(progress)  # every --checkpoint_every_steps (a no-op if this step was just saved)
+            ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
-            if progress.step == cfg.max_steps:
+            if state.step == cfg.max_steps:
                 break
             if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
                 break
     bar.close()
 
-    reason = preemption.describe() if preempted else "--stop_after_steps" if stopping else ""
+    reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
-        ckpt.save(progress)  # exactly where we are (a no-op if this step was just saved)
-        accelerator.print(f"stopped at step {progress.step} by {reason}; checkpoint saved, continue with --resume auto")
-    if progress.step == cfg.max_steps:
+        ckpt.save(state)  # exactly where we are (a no-op if this step was just saved)
+        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
+    if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             metrics["val/unigram_entropy"] = entropy
             accelerator.print(f"validation: {metrics['val/bpb']:.3f} bits per byte; unigram entropy of the same bytes "
                               f"{entropy:.3f} bits per byte; ratio {metrics['val/bpb'] / entropy:.3f}")
-        tracker.summary(metrics | {"best/val_loss": progress.best_metric})
+        tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if corpus.byte_level and cfg.sample_tokens:
             prompt = torch.tensor([list(cfg.prompt.encode("utf-8")) or [10]], device=accelerator.device)
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)

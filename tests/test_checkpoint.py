@@ -25,7 +25,7 @@ from common.checkpoint import (
     PROGRESS_FILE,
     MAY_CHANGE_ON_RESUME,
     CheckpointManager,
-    Progress,
+    TrainingState,
     export_weights,
     load_exported,
     read_progress,
@@ -113,7 +113,7 @@ def names(job) -> list[str]:
 @pytest.fixture
 def job(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run")
-    assert job.ckpt.resume("none") == Progress()
+    assert job.ckpt.resume("none") == TrainingState()
     return job
 
 
@@ -124,7 +124,7 @@ def test_resume_restores_the_whole_state_exactly(tmp_path, fresh_accelerate):
     first.ckpt.resume("none")
     torch.manual_seed(1), np.random.seed(1), random.seed(1)
     train(first, 3)
-    progress = Progress(step=3, epoch=1, batches_in_epoch=5, best_metric=0.25, best_step=2)
+    progress = TrainingState(step=3, epoch=1, batches_in_epoch=5, best_metric=0.25, best_step=2)
     path = first.ckpt.save(progress)
     assert path.name == "step_00000003"
     assert (path / "random_states_0.pkl").is_file()  # this rank's RNG is part of the checkpoint
@@ -153,7 +153,7 @@ def test_resume_restores_the_whole_state_exactly(tmp_path, fresh_accelerate):
 
 
 def test_progress_json_records_the_run(job):
-    path = job.ckpt.save(Progress(step=4, epoch=2, batches_in_epoch=1))
+    path = job.ckpt.save(TrainingState(step=4, epoch=2, batches_in_epoch=1))
     meta = read_progress(path)
     assert meta["template"] == "tiny" and meta["world_size"] == 1
     assert meta["metric"] == "val/accuracy" and meta["mode"] == "max"
@@ -167,7 +167,7 @@ def test_progress_json_records_the_run(job):
 def test_keep_last_k_periodic_and_best_kept_apart(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run", keep_last=2)
     job.ckpt.resume("none")
-    progress = Progress(step=1)
+    progress = TrainingState(step=1)
     assert job.ckpt.save_best(progress, 0.5) is True
     for step in range(1, 6):
         progress.step = step
@@ -179,7 +179,7 @@ def test_keep_last_k_periodic_and_best_kept_apart(tmp_path, fresh_accelerate):
 
 
 def test_only_the_newest_best_is_kept_and_only_better_values_count(job):
-    progress = Progress(step=1)
+    progress = TrainingState(step=1)
     assert job.ckpt.save_best(progress, float("nan")) is False  # not even as the first value
     assert progress.best_metric is None and names(job) == []
     assert job.ckpt.save_best(progress, 0.5) is True
@@ -197,7 +197,7 @@ def test_only_the_newest_best_is_kept_and_only_better_values_count(job):
 
 
 def test_a_better_value_at_the_same_step_replaces_that_best(job):
-    progress = Progress(step=4)
+    progress = TrainingState(step=4)
     assert job.ckpt.save_best(progress, 0.5)
     assert job.ckpt.save_best(progress, 0.6)  # evaluated twice at one step
     assert names(job) == ["best_step_00000004"]
@@ -207,7 +207,7 @@ def test_a_better_value_at_the_same_step_replaces_that_best(job):
 def test_best_in_min_mode(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run", mode="min")
     job.ckpt.resume("none")
-    progress = Progress(step=1)
+    progress = TrainingState(step=1)
     assert job.ckpt.save_best(progress, 2.0) is True
     progress.step = 2
     assert job.ckpt.save_best(progress, 3.0) is False
@@ -226,16 +226,16 @@ def test_manager_arguments_checked(tmp_path, fresh_accelerate):
 # --- one step, one write -----------------------------------------------------------------------
 
 def test_save_at_a_step_that_has_a_checkpoint_does_not_rewrite_it(job, monkeypatch):
-    first = job.ckpt.save(Progress(step=3, batches_in_epoch=2))
+    first = job.ckpt.save(TrainingState(step=3, batches_in_epoch=2))
     before = snapshot(job.ckpt.dir)
     calls = []
     monkeypatch.setattr(job.accelerator, "save_state", lambda *a, **k: calls.append(a))
-    assert job.ckpt.save(Progress(step=3, batches_in_epoch=9)) == first
+    assert job.ckpt.save(TrainingState(step=3, batches_in_epoch=9)) == first
     assert calls == [] and snapshot(job.ckpt.dir) == before
 
 
 def test_best_then_periodic_at_one_step_share_files_but_not_progress(job, monkeypatch):
-    progress = Progress(step=6, epoch=2)
+    progress = TrainingState(step=6, epoch=2)
     assert job.ckpt.save_best(progress, 0.7)
     calls = []
     real_save_state = job.accelerator.save_state
@@ -256,7 +256,7 @@ def test_best_then_periodic_at_one_step_share_files_but_not_progress(job, monkey
 
 
 def test_periodic_then_best_at_one_step_keeps_each_progress(job):
-    progress = Progress(step=6)
+    progress = TrainingState(step=6)
     job.ckpt.save(progress)
     assert job.ckpt.save_best(progress, 0.7)
     best, periodic = job.ckpt.dir / "best_step_00000006", job.ckpt.dir / "step_00000006"
@@ -269,7 +269,7 @@ def test_best_survives_keep_last_deleting_its_twin(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run", keep_last=1)
     job.ckpt.resume("none")
     train(job, 1)
-    progress = Progress(step=2)
+    progress = TrainingState(step=2)
     job.ckpt.save_best(progress, 0.5)
     job.ckpt.save(progress)
     weights = params(job)
@@ -292,14 +292,14 @@ def crash(output_dir, *args, **kwargs):
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(job, monkeypatch, capsys):
-    job.ckpt.save(Progress(step=2))
+    job.ckpt.save(TrainingState(step=2))
     weights = params(job)
     before = snapshot(job.ckpt.dir)
 
     monkeypatch.setattr(job.accelerator, "save_state", crash)
     train(job, 1)
     with pytest.raises(OSError, match="No space left"):
-        job.ckpt.save(Progress(step=4))
+        job.ckpt.save(TrainingState(step=4))
     leftover = job.ckpt.dir / ".tmp-step_00000004"
     assert leftover.is_dir()
     assert names(job) == ["step_00000002"]
@@ -313,7 +313,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(job, monkeypatch
     assert same_tensors(params(again), weights)
     assert f"ignoring incomplete checkpoint {leftover}" in capsys.readouterr().out
     # Its next save (at the same step, as resumed runs do) clears the leftover: nothing of it remains.
-    again.ckpt.save(Progress(step=4))
+    again.ckpt.save(TrainingState(step=4))
     assert not leftover.exists()
     assert not list(again.ckpt.dir.glob(".tmp-*"))
     assert names(again) == ["step_00000002", "step_00000004"]
@@ -324,7 +324,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(job, monkeypatch
 def test_an_explicit_path_to_an_interrupted_save_is_refused(job, monkeypatch):
     monkeypatch.setattr(job.accelerator, "save_state", crash)
     with pytest.raises(OSError):
-        job.ckpt.save(Progress(step=1))
+        job.ckpt.save(TrainingState(step=1))
     with pytest.raises(UsageError, match="not a complete checkpoint"):
         job.ckpt.resume(str(job.ckpt.dir / ".tmp-step_00000001"))
 
@@ -332,7 +332,7 @@ def test_an_explicit_path_to_an_interrupted_save_is_refused(job, monkeypatch):
 # --- resume arguments and refusals ------------------------------------------------------------------
 
 def test_resume_none_refuses_a_folder_with_checkpoints_and_changes_nothing(job, tmp_path):
-    job.ckpt.save(Progress(step=2))
+    job.ckpt.save(TrainingState(step=2))
     (job.ckpt.output_dir / "metrics.jsonl").write_text('{"step": 2}\n')
     before = snapshot(job.ckpt.output_dir)
     fresh = setup(job.ckpt.output_dir, init_seed=1)
@@ -343,23 +343,23 @@ def test_resume_none_refuses_a_folder_with_checkpoints_and_changes_nothing(job, 
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(job):
-    job.ckpt.save(Progress(step=1))
-    progress = Progress(step=3)
+    job.ckpt.save(TrainingState(step=1))
+    progress = TrainingState(step=3)
     job.ckpt.save_best(progress, 0.5)
     progress.batches_in_epoch = 7
     job.ckpt.save(progress)  # same step as the best, newer progress
-    job.ckpt.save(Progress(step=2))
+    job.ckpt.save(TrainingState(step=2))
     (job.ckpt.dir / "step_00000009").mkdir()  # a folder without progress.json is not a checkpoint
     (job.ckpt.dir / "step_00000009" / "model.safetensors").write_bytes(b"")
     assert names(job) == ["step_00000001", "step_00000002", "best_step_00000003", "step_00000003"]
     resumed = setup(job.ckpt.output_dir, init_seed=2)
-    assert resumed.ckpt.resume("auto") == Progress(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
+    assert resumed.ckpt.resume("auto") == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
 
 
 def test_resume_none_and_auto_in_an_empty_folder_start_fresh(tmp_path, fresh_accelerate):
     for mode in ("none", "auto"):
         job = setup(tmp_path / mode)
-        assert job.ckpt.resume(mode) == Progress()
+        assert job.ckpt.resume(mode) == TrainingState()
         assert (tmp_path / mode / "run.json").is_file()
 
 
@@ -375,7 +375,7 @@ def test_resume_path_without_progress(job, tmp_path):
 
 
 def test_output_folder_of_another_template_is_refused(job, tmp_path):
-    job.ckpt.save(Progress(step=1))
+    job.ckpt.save(TrainingState(step=1))
     other = setup(job.ckpt.output_dir, template="language_model")
     for mode in ("auto", "none"):
         with pytest.raises(UsageError, match="holds a run of template 'tiny'"):
@@ -383,14 +383,14 @@ def test_output_folder_of_another_template_is_refused(job, tmp_path):
 
 
 def test_checkpoint_of_another_template_is_refused(job, tmp_path):
-    path = job.ckpt.save(Progress(step=1))
+    path = job.ckpt.save(TrainingState(step=1))
     other = setup(tmp_path / "other_run", template="language_model")
     with pytest.raises(UsageError, match="written by template 'tiny', not 'language_model'"):
         other.ckpt.resume(str(path))
 
 
 def test_checkpoint_for_another_model_shape_is_refused_in_one_line(job, tmp_path):
-    path = job.ckpt.save(Progress(step=1))
+    path = job.ckpt.save(TrainingState(step=1))
     wider = setup(tmp_path / "wider", width=16)
     wider.ckpt.config = job.ckpt.config  # the same settings, a model changed in the code
     with pytest.raises(UsageError) as info:
@@ -402,7 +402,7 @@ def test_checkpoint_for_another_model_shape_is_refused_in_one_line(job, tmp_path
 
 
 def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_written(job, tmp_path):
-    path = job.ckpt.save(Progress(step=1))
+    path = job.ckpt.save(TrainingState(step=1))
     before = snapshot(job.ckpt.output_dir)
     for resume in ("auto", str(path)):  # the run's own folder, and the checkpoint named from elsewhere
         output = job.ckpt.output_dir if resume == "auto" else tmp_path / "elsewhere"
@@ -418,7 +418,7 @@ def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_writ
 
 def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):
     job.ckpt.config = {"width": 8, "keep_last": 3, "output_dir": "a", "custom": 1}
-    path = job.ckpt.save(Progress(step=3))
+    path = job.ckpt.save(TrainingState(step=3))
     moved = {"width": 8, "keep_last": 1, "output_dir": "b", "custom": 1}
     again = CheckpointManager(job.accelerator, tmp_path / "b", template="tiny", config=moved, metric="val/accuracy")
     assert again.resume(str(path)).step == 3
@@ -432,7 +432,7 @@ def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):
 
 
 def test_unreadable_progress_or_run_file_is_a_usage_error(job):
-    path = job.ckpt.save(Progress(step=1))
+    path = job.ckpt.save(TrainingState(step=1))
     (path / PROGRESS_FILE).write_text("{not json")
     with pytest.raises(UsageError, match="unreadable progress.json"):
         read_progress(path)
@@ -442,7 +442,7 @@ def test_unreadable_progress_or_run_file_is_a_usage_error(job):
 
 
 def test_resume_with_another_world_size_warns(job, capsys):
-    path = job.ckpt.save(Progress(step=1))
+    path = job.ckpt.save(TrainingState(step=1))
     meta = json.loads((path / PROGRESS_FILE).read_text())
     (path / PROGRESS_FILE).write_text(json.dumps(meta | {"world_size": 4}))
     capsys.readouterr()
@@ -503,7 +503,7 @@ TWO_RANK_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     sys.path.insert(0, {tests!r})
     from accelerate.utils import set_seed
-    from common.checkpoint import CheckpointManager, Progress
+    from common.checkpoint import CheckpointManager, TrainingState
     from test_checkpoint import setup, train
 
     output = sys.argv[1]
@@ -511,7 +511,7 @@ TWO_RANK_SCRIPT = textwrap.dedent("""
     set_seed(0, device_specific=True)  # as the templates do: each rank its own RNG stream
     job.ckpt.resume("auto")
     train(job, 2)
-    job.ckpt.save(Progress(step=2))
+    job.ckpt.save(TrainingState(step=2))
     after_save = [torch.rand(2).tolist(), float(np.random.rand()), random.random()]
     ticks = job.scheduler.scheduler.last_epoch
     torch.manual_seed(99); np.random.seed(99); random.seed(99)
@@ -621,7 +621,7 @@ def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_comple
         job = setup(tmp_path / f"kill{at}", keep_last=2)
         job.ckpt.resume("none")
         weights = {}
-        progress = Progress(step=1)
+        progress = TrainingState(step=1)
         for step in (1, 2):
             train(job, 1)
             progress.step = step
@@ -674,7 +674,7 @@ def test_a_deletion_cut_short_leaves_no_folder_that_looks_complete(tmp_path, fre
     folder is not a checkpoint, resume ignores it, and the newest one is resumed."""
     job = setup(tmp_path / "run", keep_last=1)
     job.ckpt.resume("none")
-    job.ckpt.save(Progress(step=1))
+    job.ckpt.save(TrainingState(step=1))
     train(job, 1)
     weights = params(job)
     real_rmtree = shutil.rmtree
@@ -686,7 +686,7 @@ def test_a_deletion_cut_short_leaves_no_folder_that_looks_complete(tmp_path, fre
 
     monkeypatch.setattr(shutil, "rmtree", rmtree_killed_half_way)
     with pytest.raises(Kill):
-        job.ckpt.save(Progress(step=2))
+        job.ckpt.save(TrainingState(step=2))
     monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     half = job.ckpt.dir / "step_00000001"
     assert half.is_dir() and not (half / PROGRESS_FILE).exists(), sorted(p.name for p in half.iterdir())

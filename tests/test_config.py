@@ -320,13 +320,13 @@ def test_bad_flag_in_script_gives_one_line_and_exit_2(tmp_path):
         from dataclasses import dataclass
         sys.path.insert(0, {str(REPO_ROOT)!r})
         from common.config import parse_config
-        from common.errors import report_usage_errors
+        from common.errors import with_exit_codes
 
         @dataclass
         class Config:
             learning_rate: float = 0.1
 
-        @report_usage_errors
+        @with_exit_codes
         def main():
             parse_config(Config)
 

@@ -25,7 +25,7 @@ def test_outside_a_sweep_either_signal_is_a_preemption_to_requeue(watcher, monke
     assert not watcher.stop_requested() and not watcher.requeue
     os.kill(os.getpid(), signum)
     assert watcher.stop_requested() and watcher.requeue
-    assert watcher.describe() == f"{signal.Signals(signum).name} (preemption)"
+    assert watcher.stop_reason() == f"{signal.Signals(signum).name} (preemption)"
 
 
 def test_under_wandb_agent_sigterm_stops_for_good_and_sigusr1_requeues(watcher, monkeypatch):
@@ -33,7 +33,7 @@ def test_under_wandb_agent_sigterm_stops_for_good_and_sigusr1_requeues(watcher, 
     monkeypatch.setenv("WANDB_RUN_ID", "run42")
     os.kill(os.getpid(), signal.SIGTERM)  # the agent's early termination
     assert watcher.stop_requested() and not watcher.requeue
-    assert "from the W&B sweep agent" in watcher.describe() and "not requeued" in watcher.describe()
+    assert "from the W&B sweep agent" in watcher.stop_reason() and "not requeued" in watcher.stop_reason()
     os.kill(os.getpid(), signal.SIGUSR1)  # a preemption warning outranks the plain stop
     assert watcher.stop_requested() and watcher.requeue
     os.kill(os.getpid(), signal.SIGTERM)  # ... and is not undone by a later SIGTERM

@@ -338,7 +338,7 @@ class DataWatch:
 
     def __init__(self, monkeypatch, module):
         self.train_sets, self.val_sets, self.fetched, self.val_fetched = [], [], [], []
-        self.micro_batches, self.evaluations = 0, 0
+        self.batches_per_epoch, self.evaluations = 0, 0
         real_build, real_backward, real_evaluate = data_module.build_loader, Accelerator.backward, module.evaluate
 
         def build_loader(dataset, **kwargs):
@@ -347,7 +347,7 @@ class DataWatch:
 
         @functools.wraps(real_backward)
         def backward(accelerator, loss, **kwargs):
-            self.micro_batches += 1
+            self.batches_per_epoch += 1
             return real_backward(accelerator, loss, **kwargs)
 
         def evaluate(*args, **kwargs):
@@ -359,7 +359,7 @@ class DataWatch:
         monkeypatch.setattr(module, "evaluate", evaluate)
 
     def trained(self, batch_size: int) -> list[int]:
-        return self.fetched[: self.micro_batches * batch_size]
+        return self.fetched[: self.batches_per_epoch * batch_size]
 
 
 def random_text(path: Path, size: int, seed: int) -> Path:
