@@ -1,4 +1,6 @@
-"""Build the Accelerator the same way for every template, on CPU, one GPU, DDP and FSDP2."""
+"""The Accelerator, built the same way for every template (CPU, one GPU, DDP, FSDP2), and the run around it:
+`start_run` (output folder, Accelerator, stop signals, seed), `end_run` (end state, exit code) and the freeing
+of the process group before Python shuts down."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import functools
 import gc
 import os
 import resource
+import signal
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -17,20 +21,18 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import (
-    set_seed,
     DataLoaderConfiguration,
     DistributedType,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
+    set_seed,
 )
 
 from common.checkpoint import check_output_dir
 from common.config import MIXED_PRECISION_CHOICES
-from common.errors import UsageError
-from common.preemption import PreemptionWatcher
+from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import sweep_run_dir
-
 
 if dist.is_available():
     # Imported before any process group exists. Its functions take `group=group.WORLD` as a default argument,
@@ -108,6 +110,88 @@ def build_accelerator(
     return accelerator
 
 
+# --------------------------------------------------------------------------------- stop signals
+# Stop cleanly when the scheduler says so: SIGTERM or SIGUSR1 -> finish the step, agree, checkpoint, exit.
+#
+# Slurm (and most cluster schedulers, and spot-instance agents) send SIGTERM, or a signal of your
+# choice such as SIGUSR1 via `--signal`, some time before they kill a job. The handler only sets a
+# flag; the training loop asks `stop_requested()` after each optimizer step, and all ranks agree
+# through one tiny all-reduce, so they stop at the same step even when only one rank got the signal.
+#
+# Under `wandb agent` the two signals mean different things. The agent itself stops a run with SIGTERM
+# (hyperband's early termination, a stopped or cancelled sweep): that run is over for good. SIGUSR1
+# stays the scheduler's warning of a preemption: that run asks W&B to requeue it (`requeue`), and the
+# agent that gets it again starts it under the same run id, in the same folder, where it resumes.
+# Outside a sweep both signals mean "preempted: requeue me" (exit code 75).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Agreed across ranks by MAX: a preemption warning on any rank outranks a plain stop on another.
+_RANK = {None: 0, signal.SIGTERM: 1, signal.SIGUSR1: 2}
+
+
+def under_sweep_agent() -> bool:
+    """True in a run that `wandb agent` started: it sets both variables for the command it runs."""
+    return bool(os.environ.get("WANDB_SWEEP_ID") and os.environ.get("WANDB_RUN_ID"))
+
+
+class PreemptionWatcher:
+    def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+        # Not the accelerator itself: the signal handlers keep this object alive to the end of the process,
+        # and through the accelerator's model they would keep the process group from ever being freed
+        # (common.accelerator.release_process_group).
+        self.num_processes = accelerator.num_processes
+        self.device = accelerator.device
+        self.received: int | None = None
+        for signum in signals:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
+            self.received = signum
+
+    def stop_requested(self) -> bool:
+        """True on every rank if any rank received a stop signal. Call it on all ranks at the same step.
+
+        Afterwards every rank holds the same `received` signal, also the ranks that got none.
+        """
+        local = _RANK.get(self.received, 1)
+        if self.num_processes > 1 and dist.is_initialized():
+            flag = torch.tensor([local], device=self.device, dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            local = int(flag.item())
+        if local and self.received is None:  # another rank's signal: adopt it, so every rank ends alike
+            self.received = next(signum for signum, rank in _RANK.items() if rank == local)
+        return bool(local)
+
+    @property
+    def requeue(self) -> bool:
+        """Whether the run should come back (exit 75, and under a sweep W&B's requeue) rather than end for good."""
+        if self.received is None:
+            return False
+        return not (under_sweep_agent() and self.received == signal.SIGTERM)
+
+    def stop_reason(self) -> str:
+        """Why the run stopped, for its last line."""
+        if self.received is None:
+            return "no stop signal"
+        name = signal.Signals(self.received).name
+        if self.requeue:
+            return f"{name} (preemption)"
+        return f"{name} from the W&B sweep agent (early termination or a stopped sweep: not requeued)"
+
+
+def end_run(accelerator: Accelerator, status, tracker, preemption: PreemptionWatcher, stopping: bool,
+            reason: str) -> None:
+    """What every run does last: record how it ended (status.json, W&B), close the process group, and exit
+    with 75 when it must come back (preempted, not stopped for good by a sweep agent), so a job script or
+    W&B requeues it."""
+    requeue = stopping and preemption.requeue
+    status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
+    tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
+    accelerator.end_training()
+    if requeue:
+        sys.exit(EXIT_PREEMPTED)
+
+
 def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
     """What every run does first, on every rank: its output folder (its own one under `wandb agent`, checked
     before anything is written), the Accelerator, the stop-signal watcher, and the same seed everywhere (so
@@ -115,7 +199,8 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
     cfg.output_dir = sweep_run_dir(cfg.output_dir)
     check_output_dir(cfg.output_dir)
     accelerator = build_accelerator(seed=cfg.seed, mixed_precision=cfg.mixed_precision,
-                                    gradient_accumulation_steps=cfg.gradient_accumulation_steps, timeout_s=cfg.timeout_s)
+                                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                    timeout_s=cfg.timeout_s)
     accelerator.print(describe(accelerator))
     preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
     set_seed(cfg.seed)
@@ -163,7 +248,7 @@ def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:
 
 def describe(accelerator: Accelerator) -> str:
     """One line for the log: what kind of job this is."""
-    kind = accelerator.distributed_type.value if hasattr(accelerator.distributed_type, "value") else accelerator.distributed_type
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     return (
         f"{kind} on {accelerator.device.type}, {accelerator.num_processes} process(es), "
         f"mixed precision {accelerator.mixed_precision}, "
@@ -178,7 +263,8 @@ def describe(accelerator: Accelerator) -> str:
 PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
     ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
     ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
-    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0), ("T4", 65.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0),
+    ("T4", 65.0),
     ("MI300X", 1307.0),
 )
 
@@ -209,3 +295,31 @@ def model_flops_utilization(flops_per_s: float, devices: int, peak_tflops: float
         warnings.warn(f"MFU would be {mfu:.0%}: the peak of {peak_tflops:g} TFLOP/s is too low; pass --peak_tflops")
         return None
     return mfu
+
+
+class Throughput:
+    """What the log says about speed: items per second over the micro-batches trained since the last
+    reading (`restart` leaves evaluation out), the peak memory, and MFU where the device's peak is known."""
+
+    def __init__(self, accelerator: Accelerator, unit: str, items_per_micro_batch: int, flops_per_item: float = 0.0,
+                 peak_tflops: float = 0.0):
+        self.device, self.processes = accelerator.device, accelerator.num_processes
+        self.unit, self.items = unit, items_per_micro_batch * accelerator.num_processes  # over all processes
+        self.flops_per_item, self.peak_tflops = flops_per_item, device_peak_tflops(accelerator.device, peak_tflops)
+        self.restart()
+
+    def restart(self) -> None:
+        self.batches, self.start = 0, time.perf_counter()
+
+    def batch(self) -> None:
+        self.batches += 1
+
+    def read(self) -> dict[str, float]:
+        """`<unit>_per_s`, `peak_memory_gb` and `mfu` (if known) since the last reading; the next interval starts."""
+        per_s = self.batches * self.items / (time.perf_counter() - self.start)
+        figures = {f"{self.unit}_per_s": per_s, "peak_memory_gb": peak_memory_gb(self.device)}
+        if self.flops_per_item:
+            mfu = model_flops_utilization(self.flops_per_item * per_s, self.processes, self.peak_tflops)
+            figures |= {"mfu": mfu} if mfu is not None else {}
+        self.restart()
+        return figures

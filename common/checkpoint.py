@@ -13,26 +13,18 @@ folder with a final name is always complete. A save that fails on any rank (a fu
 every rank with a SaveError and publishes nothing; old checkpoints lose `progress.json` first when
 they are deleted, so a deletion cut short never leaves a folder that looks complete.
 
-Pickles: `optimizer.bin`, `scheduler.bin`, `scaler.pt` and `random_states_<rank>.pkl` (and, under
-FSDP, the `.metadata` of each sharded folder plus the non-tensor entries of its `.distcp` files)
-are pickles, as accelerate and torch.distributed.checkpoint write them. Before anything loads a
-checkpoint, `check_pickles` opens each of them with torch's weights-only unpickler (the `.metadata`
-with an allowlist of torch's checkpoint classes) and refuses the checkpoint if one holds anything
-else, so a downloaded checkpoint cannot run code. The weights themselves are safetensors.
+Before a checkpoint loads, `common.pickle_allowlist.check_pickles` refuses it if a pickle in it could run code.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import os
 import pickle
 import re
 import shutil
-import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.errors import SaveError, UsageError, is_rank_lost, one_line
+from common.pickle_allowlist import check_pickles
 
 PROGRESS_FILE = "progress.json"
 RUN_FILE = "run.json"
@@ -252,63 +245,76 @@ class CheckpointManager:
         return [path for _, _, path in sorted(found)]
 
     def _write(self, name: str, state: TrainingState) -> Path:
-        accelerator = self.accelerator
+        """Write the whole state under a `.tmp-` name on every rank, then publish it as `name`.
+
+        Each of the three phases ends with every rank learning whether any rank failed (a full disk,
+        say), so a failure on one rank ends the save on all of them at once instead of at --timeout_s.
+        """
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         # Decided on the main process and shared, so all ranks agree on whether to call save_state.
-        twin_holder = [self._checkpoint_of_same_step(state.step, exclude=name) if accelerator.is_main_process else None]
-        broadcast_object_list(twin_holder)
-        twin = twin_holder[0]
-        # Each phase ends with every rank learning whether any rank failed (a full disk, say), so a
-        # failure on one rank ends the save on all of them at once instead of at --timeout_s.
-        failure = None
-        if accelerator.is_main_process:
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                for stale in self.dir.glob(".tmp-*"):
-                    shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
-                if twin is not None:
-                    # Same step already saved under the other kind: same bytes, so link instead of rewriting.
-                    shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
-            except OSError as error:
-                failure = _reason(error)
-        failure = self._any_failure(failure)  # from here on every rank holds the same `failure`
+        twin = [self._checkpoint_of_same_step(state.step, exclude=name) if self.accelerator.is_main_process else None]
+        broadcast_object_list(twin)
+        twin = twin[0]
+        failure = self._any_failure(self._on_main(self._start_folder, tmp, twin))
         if failure is None:
-            from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
-
-            try:
-                if twin is None:
-                    accelerator.save_state(str(tmp))
-            except (OSError, CheckpointException) as error:
-                if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
-                    raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
-                failure = _reason(error)
-            failure = self._any_failure(failure)
+            failure = self._any_failure(self._save_state(tmp, twin))
         if failure is None:
-            if accelerator.is_main_process:
-                try:
-                    meta = dataclasses.asdict(state) | {
-                        "template": self.template,
-                        "world_size": accelerator.num_processes,
-                        "metric": self.metric,
-                        "mode": self.mode,
-                        "config": self.config,  # what the resume compares its own settings with
-                    }
-                    _write_json(tmp / PROGRESS_FILE, meta)
-                    # Linked files are the twin's, already synced when it was saved; their folders are new.
-                    _fsync_tree(tmp, files=twin is None)
-                    if final.exists():
-                        _remove_checkpoint(final)
-                    os.replace(tmp, final)
-                    _fsync_dir(self.dir)
-                except OSError as error:
-                    failure = _reason(error)
-            failure = self._any_failure(failure)
+            failure = self._any_failure(self._on_main(self._publish, tmp, final, state, twin))
         if failure is not None:
             kept = [p.name for p in self.complete_checkpoints()]
-            previous = f"the previous checkpoints are intact (newest: {kept[-1]})" if kept else "no earlier checkpoint exists"
+            previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
+                        else "no earlier checkpoint exists")
             raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
                             f"and the incomplete {tmp.name} is ignored on resume")
         return final
+
+    def _on_main(self, phase, *args) -> str | None:
+        """Run a filesystem phase on the main process only; what went wrong there, or None."""
+        if not self.accelerator.is_main_process:
+            return None
+        try:
+            phase(*args)
+        except OSError as error:
+            return _reason(error)
+        return None
+
+    def _start_folder(self, tmp: Path, twin: Path | None) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".tmp-*"):
+            shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
+        if twin is not None:
+            # Same step already saved under the other kind: same bytes, so link instead of rewriting.
+            shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
+
+    def _save_state(self, tmp: Path, twin: Path | None) -> str | None:
+        """Every rank writes its part (model and optimizer shards, its RNG state) through accelerate."""
+        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
+
+        try:
+            if twin is None:
+                self.accelerator.save_state(str(tmp))
+        except (OSError, CheckpointException) as error:
+            if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
+                raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
+            return _reason(error)
+        return None
+
+    def _publish(self, tmp: Path, final: Path, state: TrainingState, twin: Path | None) -> None:
+        """`progress.json` last, everything synced, then one rename: a folder with a final name is complete."""
+        meta = dataclasses.asdict(state) | {
+            "template": self.template,
+            "world_size": self.accelerator.num_processes,
+            "metric": self.metric,
+            "mode": self.mode,
+            "config": self.config,  # what the resume compares its own settings with
+        }
+        _write_json(tmp / PROGRESS_FILE, meta)
+        # Linked files are the twin's, already synced when it was saved; their folders are new.
+        _fsync_tree(tmp, files=twin is None)
+        if final.exists():
+            _remove_checkpoint(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
 
     def _check_settings(self, path: Path, meta: dict) -> None:
         """Refuse a checkpoint of a run with other settings: resuming it would continue another run
@@ -499,83 +505,6 @@ def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
 
 # -------------------------------------------------------------------------------------- pickles
 RNG_PREFIX = "random_states_"
-PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
-# What torch.distributed.checkpoint pickles into a sharded folder's `.metadata`: its own dataclasses,
-# torch.Size, dtypes and layouts, and a path. Anything else in such a file is refused.
-_DCP_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
-
-
-def check_pickles(path: Path) -> None:
-    """Refuse a checkpoint folder if one of its pickles holds anything but plain data (tensors, numbers, RNG states).
-
-    Every `.bin/.pkl/.pt` file is opened with torch's weights-only unpickler (plus the numpy types
-    accelerate allows for RNG states), memory-mapped so large optimizer states are not read twice;
-    FSDP's sharded folders get their `.metadata` checked against an allowlist and their non-tensor
-    entries weights-only. Nothing here runs code from the files.
-    """
-    from accelerate.utils.other import TORCH_SAFE_GLOBALS
-
-    for file in sorted(path.iterdir()):
-        try:
-            with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
-                warnings.simplefilter("ignore")
-                if file.is_file() and file.suffix in PICKLE_SUFFIXES:
-                    with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
-                        torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
-                elif file.is_dir() and (file / ".metadata").is_file():
-                    _check_sharded(file)
-        except pickle.UnpicklingError as error:
-            raise UsageError(f"checkpoint {path}: refused {file.relative_to(path)}: it holds more than plain data, "
-                             f"loading it could run code ({_unpickling_reason(error)})") from None
-        except (RuntimeError, ValueError, EOFError, OSError, KeyError, AttributeError) as error:
-            raise UsageError(f"checkpoint {path}: refused {file.relative_to(path)}: unreadable ({_reason(error)})") from None
-
-
-def _check_sharded(folder: Path) -> None:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    with (folder / ".metadata").open("rb") as handle:
-        metadata = _MetadataUnpickler(handle).load()
-    kinds = getattr(metadata, "state_dict_metadata", None)
-    entries = getattr(metadata, "storage_data", None)
-    if not isinstance(kinds, dict) or not isinstance(entries, dict):
-        raise ValueError(".metadata is not a torch.distributed.checkpoint index")
-    for index, info in entries.items():
-        if not isinstance(kinds.get(index.fqn), BytesStorageMetadata):
-            continue  # tensors are raw bytes, read without unpickling
-        if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
-            raise ValueError(f"entry {index.fqn} points outside the folder or is transformed")
-        with (folder / info.relative_path).open("rb") as handle:
-            handle.seek(info.offset)
-            data = handle.read(info.length)
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # torch.distributed.checkpoint would not
-
-
-def _unpickling_reason(error: BaseException) -> str:
-    """What torch's weights-only unpickler refused ("Unsupported global: GLOBAL os.system ..."), without its
-    advice to load the file unsafely (`weights_only=False`) or to allowlist the culprit."""
-    text = str(error).split("WeightsUnpickler error:")[-1]  # newer torch: after its two options of unsafe loading
-    for line in (line.strip() for line in text.splitlines()):
-        if line and not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation",
-                                         "(1)", "(2)")):
-            reason = re.split(r"\.? Please use `", line)[0].rstrip(".")
-            return "an object it does not allow" if "weights_only" in reason else reason
-    return type(error).__name__
-
-
 def _wrapped(error: BaseException) -> list[BaseException]:
     """The exceptions inside a torch.distributed.checkpoint CheckpointException (one per failed rank)."""
     failures = getattr(error, "failures", None) or {}

@@ -4,6 +4,7 @@ never overlap, and token streams read in fixed windows (memory-mapped token file
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 import signal
@@ -37,7 +38,7 @@ def ignore_stop_signals_from_others() -> None:
     Stop signals reach loader workers too: torchrun's agent signals each rank's whole process group,
     accelerate's launcher the whole process tree, Slurm every process of the job. A worker killed by
     one fails the training process ("DataLoader worker is killed by signal") before it can finish the
-    step and checkpoint (common.preemption). The training process still ends its workers with
+    step and checkpoint (common.accelerator.PreemptionWatcher). The training process still ends its workers with
     SIGTERM when it exits (multiprocessing does), and SIGKILL ends them anyway, so only signals from
     elsewhere are ignored: a thread waits for them (the sender's pid is known there) and exits the
     worker for its parent's SIGTERM, as torch's own worker handler does. Linux only (sigwaitinfo);
@@ -240,3 +241,24 @@ def largest_token(path: Path) -> int:
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     chunk = 1 << 24  # a scan in pieces: many-GB files are never read into memory at once
     return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+
+
+def token_file_splits(path: Path, block_size: int, val_fraction: float,
+                      vocab_size: int = 0) -> tuple[TokenWindows, TokenWindows, int]:
+    """nanoGPT's token files: training and validation windows, and the vocabulary size.
+
+    A folder holds `train.bin` and `val.bin` (as nanoGPT's prepare.py writes them); a single `.bin` file
+    has its tail held out. `vocab_size` 0 takes the largest token id + 1, rounded up to a multiple of 64.
+    """
+    if path.is_dir():
+        if not (path / "val.bin").is_file():
+            raise UsageError(f"--data_path {path}: has train.bin but no val.bin")
+        train_file, val_file = token_file(path / "train.bin"), token_file(path / "val.bin")
+        train, val = TokenWindows(train_file, block_size), TokenWindows(val_file, block_size)
+        largest = max(largest_token(train_file), largest_token(val_file)) if vocab_size == 0 else 0
+    else:
+        n = token_file(path).stat().st_size // 2
+        cut = n - int(n * val_fraction)
+        train, val = TokenWindows(path, block_size, 0, cut), TokenWindows(path, block_size, cut, n)
+        largest = largest_token(path) if vocab_size == 0 else 0
+    return train, val, vocab_size or 64 * math.ceil((largest + 1) / 64)

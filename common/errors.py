@@ -47,7 +47,8 @@ class SaveError(OSError):
     """Writing a checkpoint or the export failed (disk full, ...); the message names it and says what is kept."""
 
 
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe", "Connection refused")
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
+              "Connection refused")
 
 
 def is_rank_lost(error: BaseException) -> bool:

@@ -1,4 +1,4 @@
-"""Metrics go to W&B (main process only) and to `<output_dir>/metrics.jsonl`; state to tqdm."""
+"""Metrics go to W&B (main process only) and to `<output_dir>/metrics.jsonl`; progress to tqdm."""
 
 from __future__ import annotations
 

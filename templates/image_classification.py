@@ -25,13 +25,12 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from common.accelerator import start_run  # noqa: E402
+from common.accelerator import end_run, start_run  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.preemption import end_run  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -227,10 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
 
     data = load_datasets(cfg)
-    train_set, val_set = data.train, data.val
     num_workers = cfg.num_workers if cfg.num_workers >= 0 else (0 if cfg.data_dir is None else default_num_workers())
     train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
-        accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers,
+        accelerator, data.train, data.val, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers,
         what="training images")
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.epochs * steps_per_epoch
@@ -251,11 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
-    accelerator.print(
-        f"{len(train_set)} training / {len(val_set)} validation images, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{total_steps} optimizer steps, learning rate {learning_rate:g}"
-    )
+    accelerator.print(f"{len(data.train)} training / {len(data.val)} validation images, {total_steps} optimizer steps, "
+                      f"{sum(p.numel() for p in model.parameters()):,} parameters, learning rate {learning_rate:g}")
 
     bar = progress_bar(accelerator, total_steps, initial=state.step)
     session_steps = 0
@@ -318,7 +313,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
-
     if state.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)

@@ -16,7 +16,6 @@ import logging
 import math
 import sys
 import sysconfig
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +29,12 @@ from torch.utils.data import Subset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from common.accelerator import device_peak_tflops, model_flops_utilization, peak_memory_gb, start_run  # noqa: E402
+from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
-from common.data import TokenWindows, build_loaders, largest_token, split_by_key, token_file  # noqa: E402
+from common.data import TokenWindows, build_loaders, split_by_key, token_file_splits  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.preemption import end_run  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
@@ -114,18 +112,7 @@ def load_corpus(cfg: Config) -> Corpus:
     if not path.exists():
         raise UsageError(f"--data_path {path}: no such file or folder")
     if path.suffix == ".bin" or (path.is_dir() and (path / "train.bin").exists()):
-        if path.is_dir():  # nanoGPT's layout: prepare.py writes train.bin and val.bin
-            if not (path / "val.bin").is_file():
-                raise UsageError(f"--data_path {path}: has train.bin but no val.bin")
-            train_file, val_file = token_file(path / "train.bin"), token_file(path / "val.bin")
-            train, val = TokenWindows(train_file, cfg.block_size), TokenWindows(val_file, cfg.block_size)
-            largest = max(largest_token(train_file), largest_token(val_file)) if cfg.vocab_size == 0 else 0
-        else:  # one file: hold out its tail, as for a single text file
-            n = token_file(path).stat().st_size // 2
-            cut = n - int(n * cfg.val_fraction)
-            train, val = TokenWindows(path, cfg.block_size, 0, cut), TokenWindows(path, cfg.block_size, cut, n)
-            largest = largest_token(path) if cfg.vocab_size == 0 else 0
-        vocab_size = cfg.vocab_size or 64 * math.ceil((largest + 1) / 64)
+        train, val, vocab_size = token_file_splits(path, cfg.block_size, cfg.val_fraction, cfg.vocab_size)
         return check_corpus(Corpus(train, val, vocab_size, False, f"uint16 tokens from {path}"), cfg)
     if path.is_dir():
         hidden = lambda p: any(part.startswith(".") for part in p.relative_to(path).parts)  # noqa: E731
@@ -343,8 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
-    peak_tflops = device_peak_tflops(accelerator.device, cfg.peak_tflops)
-    tokens_per_micro_batch = cfg.batch_size * cfg.block_size * accelerator.num_processes
+    throughput = Throughput(accelerator, "tokens", cfg.batch_size * cfg.block_size, flops_per_token, cfg.peak_tflops)
     accelerator.print(
         f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
         f"{len(val_set) * cfg.block_size:,} validation tokens, "
@@ -364,11 +350,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return metrics
 
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
-    session_steps, timed_batches = 0, 0
+    session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
     model.train()
-    interval_start = time.perf_counter()
+    throughput.restart()
     while state.step < cfg.max_steps and not stopping:
         train_loader.set_epoch(state.epoch)  # a different order every epoch, the same on every rank
         skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
@@ -391,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
             state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
             state.interval_batches += 1
-            timed_batches += 1
+            throughput.batch()
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -399,21 +385,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                elapsed = time.perf_counter() - interval_start
-                tokens_per_s = timed_batches * tokens_per_micro_batch / elapsed
-                logged = {"train/loss": state.interval_loss_sum / state.interval_batches,
-                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps,
-                          "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
-                if (mfu := model_flops_utilization(flops_per_token * tokens_per_s, accelerator.num_processes,
-                                                   peak_tflops)) is not None:
-                    logged["mfu"] = mfu
+                logged = {"train/loss": state.interval_loss_sum / state.interval_batches, **throughput.read(),
+                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps}
                 tracker.log(logged, step=state.step)
-                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}")
                 state.interval_loss_sum, state.interval_batches = 0.0, 0
-                timed_batches, interval_start = 0, time.perf_counter()
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
-                timed_batches, interval_start = 0, time.perf_counter()  # throughput counts training only
+                throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if state.step == cfg.max_steps:

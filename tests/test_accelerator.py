@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import common.accelerator as accel_module
-from common.accelerator import MIXED_PRECISION_CHOICES, build_accelerator, describe, resolve_mixed_precision
+from common.accelerator import (MIXED_PRECISION_CHOICES, Throughput, build_accelerator, describe, device_peak_tflops,
+                                resolve_mixed_precision)
 from common.errors import UsageError
 
 # --- resolve_mixed_precision: every request on every kind of hardware --------------------------
@@ -118,3 +121,31 @@ def test_describe_is_one_line(fresh_accelerate):
     line = describe(accelerator)
     assert "\n" not in line
     assert line == "NO on cpu, 1 process(es), mixed precision no, gradient accumulation 4"
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0),
+    ("NVIDIA GeForce RTX 4090", 165.2), ("Tesla V100-SXM2-16GB", 125.0),
+    ("NVIDIA A10G", None), ("Some Future GPU", None),  # no published or known peak: no MFU rather than a guess
+])
+def test_peak_flops_by_device_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_tflops(torch.device("cuda"), 0.0) == peak
+    assert device_peak_tflops(torch.device("cuda"), 400.0) == 400.0  # --peak_tflops wins
+    assert device_peak_tflops(torch.device("cpu"), 0.0) is None
+
+
+def test_throughput_counts_items_of_all_processes_and_gives_mfu_only_with_a_peak(monkeypatch):
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=2)
+    clock = itertools.chain([100.0, 102.0, 102.0], itertools.count(103.0))
+    monkeypatch.setattr(accel_module.time, "perf_counter", lambda: next(clock))
+    meter = Throughput(accelerator, "tokens", 1000, flops_per_item=6e6, peak_tflops=1.0)  # starts at 100 s
+    for _ in range(4):
+        meter.batch()
+    figures = meter.read()  # at 102 s: 4 micro-batches of 1000 tokens on each of 2 processes in 2 s
+    assert figures["tokens_per_s"] == 4000.0
+    assert figures["mfu"] == pytest.approx(4000 * 6e6 / (2 * 1e12))
+    assert figures["peak_memory_gb"] > 0
+    assert meter.batches == 0  # the next interval started at the reading
+    assert set(Throughput(accelerator, "images", 10).read()) == {"images_per_s", "peak_memory_gb"}  # no peak, no MFU

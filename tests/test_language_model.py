@@ -268,20 +268,6 @@ def test_init_from_loads_an_export_also_for_shorter_sequences(tmp_path):
     assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0),
-    ("NVIDIA GeForce RTX 4090", 165.2), ("Tesla V100-SXM2-16GB", 125.0),
-    ("NVIDIA A10G", None), ("Some Future GPU", None),  # no published or known peak: no MFU rather than a guess
-])
-def test_peak_flops_by_device_name(monkeypatch, name, peak):
-    lm = template()
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert lm.device_peak_tflops(torch.device("cuda"), 0.0) == peak
-    assert lm.device_peak_tflops(torch.device("cuda"), 400.0) == 400.0  # --peak_tflops wins
-    assert lm.device_peak_tflops(torch.device("cpu"), 0.0) is None
-
-
 # ------------------------------------------------------------------------------------- bad input
 def tiny_export(path: Path, n_embd: int = 32, block_size: int = 32) -> Path:
     lm = template()

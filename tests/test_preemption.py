@@ -1,4 +1,4 @@
-"""common.preemption: which signal means what, on one process (the 2-rank agreement runs in test_fault_tolerance.py)."""
+"""common.accelerator's stop signals: what each signal means, on one process (2 ranks: test_fault_tolerance.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import signal
 
 import pytest
 
-from common.accelerator import build_accelerator
-from common.preemption import PreemptionWatcher
+from common.accelerator import PreemptionWatcher, build_accelerator
 
 
 @pytest.fixture

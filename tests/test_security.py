@@ -84,7 +84,7 @@ def sharded_checkpoint(folder: Path, extra) -> Path:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process writes the test's folders
 def test_sharded_checkpoint_pickles_are_checked_too(tmp_path):
     """torch.distributed.checkpoint reads `.metadata` with pickle.load and non-tensors with weights_only=False."""
-    from common.checkpoint import check_pickles
+    from common.pickle_allowlist import check_pickles
     from common.errors import UsageError
 
     marker = tmp_path / f"pwned_{uuid.uuid4().hex}"
@@ -107,7 +107,7 @@ def test_sharded_checkpoint_pickles_are_checked_too(tmp_path):
 
 
 def test_every_pickle_of_a_real_checkpoint_passes_and_a_tampered_one_fails(finished_run, tmp_path):
-    from common.checkpoint import check_pickles
+    from common.pickle_allowlist import check_pickles
     from common.errors import UsageError
 
     checkpoint = sorted((finished_run / "checkpoints").glob("step_*"))[-1]
