@@ -75,7 +75,8 @@ def cases(workdir: Path, quick: bool) -> list[tuple[str, str, list[str]]]:
               "--eval_batches", "1", "--sample_tokens", "0", "--tracker", "none"]
         return [
             ("image, digits (default)", "image_classification", image),
-            ("image, PNG folder", "image_classification", [*image, "--data_dir", str(png), "--image_size", "16", "--batch_size", "16"]),
+            ("image, PNG folder", "image_classification",
+             [*image, "--data_dir", str(png), "--image_size", "16", "--batch_size", "16"]),
             ("language, stdlib (default)", "language_model", lm),
             ("language, token files", "language_model", [*lm, "--data_path", str(tokens)]),
         ]
@@ -86,7 +87,8 @@ def cases(workdir: Path, quick: bool) -> list[tuple[str, str, list[str]]]:
         ("image, PNG folder", "image_classification", ["--epochs", "2", "--data_dir", str(png)]),
         ("language, stdlib (default)", "language_model", lm),
         ("language, token files", "language_model", [*lm, "--data_path", str(tokens)]),
-        ("language, token files, --num_workers 1 (not the default)", "language_model", [*lm, "--data_path", str(tokens), "--num_workers", "1"]),
+        ("language, token files, --num_workers 1 (not the default)", "language_model",
+         [*lm, "--data_path", str(tokens), "--num_workers", "1"]),
     ]
 
 
@@ -105,16 +107,20 @@ def analyse(name: str, argv: list[str], probe: harness.Probe) -> dict:
     begin, end = probe.begins[first], probe.steps[-1]
     waits = [b - a for a, b in probe.waits if a >= begin and b <= end]
     busy = w.seconds - w.ckpt_seconds  # evaluation is already out of w.seconds
-    return {"steps": w.steps, "median_step": w.median_step, "median_wait": statistics.median(waits) if waits else 0.0,
+    return {"steps": w.steps, "median_step": w.median_step,
+            "median_wait": statistics.median(waits) if waits else 0.0,
             "max_wait": max(waits) if waits else 0.0, "share": sum(waits) / busy}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training process (0: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="tiny runs that only check the script works (no meaningful figures)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of the training process (0: torch's default)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny runs that only check the script works (no meaningful figures)")
     parser.add_argument("--keep", action="store_true", help="keep the generated data and run folders (printed)")
-    parser.add_argument("--write-results", action="store_true", help="update the data-loading section of bench/RESULTS.md")
+    parser.add_argument("--write-results", action="store_true",
+                        help="update the data-loading section of bench/RESULTS.md")
     args = parser.parse_args(argv)
     harness.set_threads(args.threads)
     info = harness.machine()
@@ -125,23 +131,27 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for label, name, run_argv in cases(workdir, args.quick):
             out = workdir / f"run-{len(rows)}"
-            probe = harness.run_template(name, [*run_argv, "--output_dir", str(out)], time_loader=True, log_path=workdir / f"run-{len(rows)}.log")
+            probe = harness.run_template(name, [*run_argv, "--output_dir", str(out)], time_loader=True,
+                                         log_path=workdir / f"run-{len(rows)}.log")
             result = analyse(name, run_argv, probe)
             i = probe.info
-            settings = f"{i['num_workers']} workers" + (f", prefetch {i['prefetch_factor']}, persistent" if i["num_workers"] else "") + \
-                (", pinned" if i["pin_memory"] else "")
+            worker_settings = f", prefetch {i['prefetch_factor']}, persistent" if i["num_workers"] else ""
+            settings = f"{i['num_workers']} workers" + worker_settings + (", pinned" if i["pin_memory"] else "")
             verdict = "" if "not the default" in label else "met" if result["share"] < TARGET else "MISSED"
-            rows.append([label, settings, result["steps"], f"{1000 * result['median_step']:.1f}", f"{1000 * result['median_wait']:.2f}",
-                         f"{1000 * result['max_wait']:.1f}", f"{result['share']:.2%} {verdict}".strip()])
-            print(f"  {label}: {settings}; {result['steps']} steps; median step {1000 * result['median_step']:.1f} ms, "
-                  f"median wait {1000 * result['median_wait']:.2f} ms; waiting {result['share']:.2%} of step time", flush=True)
+            rows.append([label, settings, result["steps"], f"{1000 * result['median_step']:.1f}",
+                         f"{1000 * result['median_wait']:.2f}", f"{1000 * result['max_wait']:.1f}",
+                         f"{result['share']:.2%} {verdict}".strip()])
+            print(f"  {label}: {settings}; {result['steps']} steps; "
+                  f"median step {1000 * result['median_step']:.1f} ms, "
+                  f"median wait {1000 * result['median_wait']:.2f} ms; "
+                  f"waiting {result['share']:.2%} of step time", flush=True)
     finally:
         if args.keep:
             print(f"data and runs kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    text = harness.table(["data", "loader (template's choice)", "steps timed", "median step ms", "median wait ms", "max wait ms",
-                          f"waiting, share of step time (target < {TARGET:.0%})"], rows)
+    text = harness.table(["data", "loader (template's choice)", "steps timed", "median step ms", "median wait ms",
+                          "max wait ms", f"waiting, share of step time (target < {TARGET:.0%})"], rows)
     print()
     print(text)
     print(f"\n{time.perf_counter() - started:.0f}s")

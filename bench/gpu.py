@@ -83,12 +83,15 @@ def plans(args, data: Path, workdir: Path) -> list[dict]:
     common = ["--eval_every_steps", "0", "--sample_tokens", "0"]
     runs = [{"label": "language model, GPT-2 small" if not args.smoke else "language model (smoke: tiny)",
              "template": "language_model", "config": "single_gpu.yaml",
-             "args": [*lm, *common, "--data_path", str(data), *precision, *compile_flag, *peak, "--tracker", args.tracker,
-                      "--output_dir", str(workdir / "lm")],
+             "args": [*lm, *common, "--data_path", str(data), *precision, *compile_flag, *peak,
+                      "--tracker", args.tracker, "--output_dir", str(workdir / "lm")],
              "warmup": warmup, "timeout": args.lm_timeout}]
     for i, extra in enumerate(image):
-        runs.append({"label": f"image, digits, batch {64 if '--batch_size' not in extra else extra[-1]}", "template": "image_classification",
-                     "config": "single_gpu.yaml", "args": [*extra, *precision, "--tracker", args.tracker, "--output_dir", str(workdir / f"image{i}")],
+        batch_size = 64 if "--batch_size" not in extra else extra[-1]
+        runs.append({"label": f"image, digits, batch {batch_size}", "template": "image_classification",
+                     "config": "single_gpu.yaml",
+                     "args": [*extra, *precision, "--tracker", args.tracker,
+                              "--output_dir", str(workdir / f"image{i}")],
                      "warmup": None, "timeout": args.image_timeout})
     return runs
 
@@ -102,7 +105,8 @@ def logged(output_dir: Path, key: str, after: int) -> float | None:
     path = output_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    values = [r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r and r["step"] > after and r[key] is not None]
+    records = map(json.loads, path.read_text().splitlines())
+    values = [r[key] for r in records if key in r and r["step"] > after and r[key] is not None]
     return statistics.median(values) if values else None
 
 
@@ -121,7 +125,8 @@ def analyse(run: dict, probe: harness.Probe) -> dict:
            "median_rate": items / w.median_step, "window_rate": items * w.steps / (w.seconds - w.ckpt_seconds),
            "first_step_s": probe.steps[0] - probe.info["loop_start"] if "loop_start" in probe.info else None}
     if run["template"] == "language_model":
-        model = module.GPT(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+        model = module.GPT(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                           n_head=cfg.n_head, n_embd=cfg.n_embd)
         out["params"] = sum(p.numel() for p in model.parameters())
         out["flops_per_token"] = harness.flops_per_token(model, cfg.block_size)
         out["logged_tokens_per_s"] = logged(Path(cfg.output_dir), "tokens_per_s", first)
@@ -148,9 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave out --compile (default: on)")
     parser.add_argument("--batch_size", type=int, default=16, help="language model: sequences of 1024 tokens a step")
     parser.add_argument("--steps", type=int, default=300, help="language model: optimizer steps")
-    parser.add_argument("--warmup-steps", type=int, default=50, help="language model: steps left out as compile/warm-up")
-    parser.add_argument("--peak_tflops", type=float, default=0.0, help="the GPU's dense bf16 peak (0: the template's table)")
-    parser.add_argument("--tracker", default="wandb", help="the templates' tracker (default: wandb, offline without credentials)")
+    parser.add_argument("--warmup-steps", type=int, default=50,
+                        help="language model: steps left out as compile/warm-up")
+    parser.add_argument("--peak_tflops", type=float, default=0.0,
+                        help="the GPU's dense bf16 peak (0: the template's table)")
+    parser.add_argument("--tracker", default="wandb",
+                        help="the templates' tracker (default: wandb, offline without credentials)")
     parser.add_argument("--lm-timeout", type=int, default=330, help="seconds for the language-model run")
     parser.add_argument("--image-timeout", type=int, default=60, help="seconds for each image run")
     parser.add_argument("--json", help="also write the results as JSON to this file")
@@ -179,20 +187,22 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{run['label']}: {command_text(run, prefix)}", flush=True)
             t0 = time.perf_counter()
             try:
-                done, probes = harness.launch(run["config"], run["template"], run["args"], probe_prefix=prefix, threads=0,
-                                              timeout=run["timeout"])
+                done, probes = harness.launch(run["config"], run["template"], run["args"], probe_prefix=prefix,
+                                              threads=0, timeout=run["timeout"])
             except Exception as error:  # noqa: BLE001 - a timeout: report it and go on
                 failures.append(f"{run['label']}: {error}")
                 print(f"  failed: {error}", flush=True)
                 continue
             if done.returncode != 0 or 0 not in probes:
-                failures.append(f"{run['label']}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ''}")
+                last_error_line = done.stderr.strip().splitlines()[-1:] or ""
+                failures.append(f"{run['label']}: exit {done.returncode}: {last_error_line}")
                 print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", flush=True)
                 continue
             result = analyse(run, probes[0])
             result["wall_s"] = time.perf_counter() - t0
             results.append(result)
-            print(f"  {result['median_rate']:,.0f} {result['unit']} (median step {result['median_step_ms']:.1f} ms over {result['steps']} steps), "
+            print(f"  {result['median_rate']:,.0f} {result['unit']} "
+                  f"(median step {result['median_step_ms']:.1f} ms over {result['steps']} steps), "
                   f"run {result['wall_s']:.0f}s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -207,23 +217,29 @@ def main(argv: list[str] | None = None) -> None:
             mfu_text = f"{mfu:.1%}{verdict}"
         logged_text = "-"
         if r.get("logged_tokens_per_s"):
-            logged_text = f"{r['logged_tokens_per_s']:,.0f}" + (f", MFU {r['logged_mfu']:.1%}" if r.get("logged_mfu") else "")
+            logged_mfu_text = f", MFU {r['logged_mfu']:.1%}" if r.get("logged_mfu") else ""
+            logged_text = f"{r['logged_tokens_per_s']:,.0f}" + logged_mfu_text
         rows.append([r["label"], f"{r.get('params', 0):,}" if "params" in r else "-", f"{r['median_step_ms']:.1f}",
                      f"{r['median_rate']:,.0f} {r['unit']}", f"{r['window_rate']:,.0f}", mfu_text, logged_text,
                      f"{r['first_step_s']:.0f}" if r.get("first_step_s") is not None else "-", r["steps"]])
     gpu = info["gpu"] or "no GPU (smoke run on the CPU: not a measurement)"
-    text = harness.table(["run", "parameters", "median step ms", "throughput (median step)", "throughput (whole window)",
-                          f"MFU (target >= {TARGET_MFU:.0%})", "template's own log: tokens/s, MFU", "first step s (compile)", "steps timed"], rows)
-    footer = f"GPU: {gpu}; peak used for MFU: {peak if peak else 'unknown (pass --peak_tflops)'} TFLOP/s; total {time.perf_counter() - started:.0f}s"
+    text = harness.table(["run", "parameters", "median step ms", "throughput (median step)",
+                          "throughput (whole window)", f"MFU (target >= {TARGET_MFU:.0%})",
+                          "template's own log: tokens/s, MFU",
+                          "first step s (compile)", "steps timed"], rows)
+    peak_text = peak if peak else "unknown (pass --peak_tflops)"
+    footer = f"GPU: {gpu}; peak used for MFU: {peak_text} TFLOP/s; total {time.perf_counter() - started:.0f}s"
     print()
     print(text)
     print(footer)
     for failure in failures:
         print(f"FAILED: {failure}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "results": results, "failures": failures, "peak_tflops": peak}, indent=1))
+        summary = {"machine": info, "results": results, "failures": failures, "peak_tflops": peak}
+        Path(args.json).write_text(json.dumps(summary, indent=1))
     if args.write_results and not args.smoke:
-        harness.write_results("gpu", "GPU: GPT-2 small (bf16, --compile) and the image template on one GPU", text + "\n\n" + footer, info)
+        harness.write_results("gpu", "GPU: GPT-2 small (bf16, --compile) and the image template on one GPU",
+                              text + "\n\n" + footer, info)
     if failures:
         sys.exit(1)
 

@@ -103,12 +103,13 @@ class Probe:
         self.loaders.clear()
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "begins": self.begins, "evals": self.evals, "ckpts": self.ckpts, "waits": self.waits,
-                "losses": self.losses, "info": self.info}
+        return {"steps": self.steps, "begins": self.begins, "evals": self.evals, "ckpts": self.ckpts,
+                "waits": self.waits, "losses": self.losses, "info": self.info}
 
     @classmethod
     def from_json(cls, data: dict) -> "Probe":
-        return cls(steps=data["steps"], begins=[math.nan if b is None else b for b in data["begins"]], evals=[tuple(e) for e in data["evals"]], ckpts=[tuple(c) for c in data["ckpts"]],
+        return cls(steps=data["steps"], begins=[math.nan if b is None else b for b in data["begins"]],
+                   evals=[tuple(e) for e in data["evals"]], ckpts=[tuple(c) for c in data["ckpts"]],
                    waits=[tuple(w) for w in data["waits"]], losses=data.get("losses", []), info=data.get("info", {}))
 
 
@@ -143,7 +144,8 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
     `after_step`, if given, is called at the end of every optimizer step, outside the timed part
     (overhead.py hands the CPU to the plain loop there).
     """
-    missing = [name for name in ("progress_bar", "evaluate", "CheckpointManager", "start_run") if not hasattr(module, name)]
+    needed = ("progress_bar", "evaluate", "CheckpointManager", "start_run")
+    missing = [name for name in needed if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"{module.__file__} no longer has {', '.join(missing)}: the benchmark probes need updating")
     originals = {name: getattr(module, name) for name in ("progress_bar", "evaluate", "CheckpointManager", "start_run")}
@@ -210,7 +212,8 @@ def probed(module, probe: Probe, time_loader: bool = False, after_step=None):
                 if not seen["train"]:
                     seen["train"] = True
                     probe.info.update(num_workers=given.num_workers, pin_memory=given.pin_memory,
-                                      prefetch_factor=given.prefetch_factor, persistent_workers=given.persistent_workers)
+                                      prefetch_factor=given.prefetch_factor,
+                                      persistent_workers=given.persistent_workers)
                     if time_loader:
                         results[i] = _TimedLoader(got, probe)
             return results[0] if single else tuple(results)
@@ -326,8 +329,9 @@ def machine() -> dict:
     import accelerate
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return {"cores": cores, "cpu": cpu_model, "gpu": gpu, "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "python": platform.python_version(), "load": load, "threads": torch.get_num_threads()}
+    return {"cores": cores, "cpu": cpu_model, "gpu": gpu, "torch": torch.__version__,
+            "accelerate": accelerate.__version__, "python": platform.python_version(), "load": load,
+            "threads": torch.get_num_threads()}
 
 
 def describe_machine(info: dict) -> str:
@@ -414,7 +418,8 @@ def launch(config: str, template: str, args: list[str], *, probe_prefix: Path, n
     if threads > 0:
         command += ["--num_cpu_threads_per_process", str(threads)]
     command += [str(ENTRY), template, str(probe_prefix), *(["--time-loader"] if time_loader else []), "--", *args]
-    done = subprocess.run(command, cwd=REPO, env=env or clean_env(threads), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, cwd=REPO, env=env or clean_env(threads), capture_output=True, text=True,
+                          timeout=timeout)
     probes = {}
     for path in sorted(probe_prefix.parent.glob(f"{probe_prefix.name}.rank*.json")):
         probes[int(path.name.rsplit(".rank", 1)[1].split(".")[0])] = Probe.from_json(json.loads(path.read_text()))

@@ -64,8 +64,8 @@ SETUPS = {
     },
     "language_model": {
         "argv": ["--sample_tokens", "0"],
-        "quick": ["--batch_size", "2", "--block_size", "16", "--n_layer", "1", "--n_embd", "32", "--eval_every_steps", "8",
-                  "--log_every_steps", "4", "--eval_batches", "2", "--sample_tokens", "0"],
+        "quick": ["--batch_size", "2", "--block_size", "16", "--n_layer", "1", "--n_embd", "32",
+                  "--eval_every_steps", "8", "--log_every_steps", "4", "--eval_batches", "2", "--sample_tokens", "0"],
     },
 }
 
@@ -192,15 +192,16 @@ def seed_all(seed: int) -> None:
 def adamw(model, weight_decay: float, lr: float, **kwargs) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, **kwargs)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, **kwargs)
 
 
 def shuffled(dataset, batch_size: int, seed: int, epochs: int | None):
     """Batches of a plain DataLoader, a new shuffle each epoch (seed + epoch), epoch after epoch."""
     order = torch.Generator()
+    # own generator: iter() leaves the global RNG alone
     loader = DataLoader(dataset, batch_size=batch_size, sampler=RandomSampler(dataset, generator=order),
-                        drop_last=True, generator=torch.Generator())  # own generator: iter() leaves the global RNG alone
+                        drop_last=True, generator=torch.Generator())
     epoch = 0
     while epochs is None or epoch < epochs:
         order.manual_seed(seed + epoch)
@@ -243,7 +244,8 @@ def plain_language_model(module, argv: list[str], probe: "harness.Probe", turn: 
     model = module.GPT(vocab_size=corpus.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                        n_embd=cfg.n_embd, dropout=cfg.dropout)
     optimizer = adamw(model, cfg.weight_decay, cfg.learning_rate, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(min(cfg.warmup_steps, cfg.max_steps // 2), cfg.max_steps))
+    warmup_steps = min(cfg.warmup_steps, cfg.max_steps // 2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, cfg.max_steps))
     batches = shuffled(corpus.train, cfg.batch_size, cfg.seed, None)
     torch.manual_seed(cfg.seed)  # the dropout stream
     model.train()
@@ -350,7 +352,8 @@ class MainTurn:
         self.lockstep.template_step_done()
 
 
-def measure(name: str, argv: list[str], arms: list[str], repeats: int, workdir: Path, args, label: str | None = None) -> dict:
+def measure(name: str, argv: list[str], arms: list[str], repeats: int, workdir: Path, args,
+            label: str | None = None) -> dict:
     """`repeats` lockstep runs per arm (a tracker for the template, or "plain" for A/A), arms taking turns."""
     module = harness.load_template(name)
     window_first, last, items, unit = geometry(name, module, argv)
@@ -370,9 +373,11 @@ def measure(name: str, argv: list[str], arms: list[str], repeats: int, workdir: 
                         PLAIN[name](module, argv, probe, turn=MainTurn(probe, lockstep))
                     else:
                         tracker, _, what_if = arm.partition("+")
-                        extra = [] if tracker == "wandb" else ["--tracker", tracker]  # wandb (offline here) is the default
+                        # wandb (offline here) is the default
+                        extra = [] if tracker == "wandb" else ["--tracker", tracker]
                         with signal_handlers_skipped(), proposed_fix(what_if):
-                            probe = harness.run_template(name, [*argv, *extra, "--output_dir", str(out)], after_step=lockstep.template_step_done,
+                            probe = harness.run_template(name, [*argv, *extra, "--output_dir", str(out)],
+                                                         after_step=lockstep.template_step_done,
                                                          log_path=out.with_suffix(".log"))
                     outcome["probe"] = probe
                 except BaseException as error:  # noqa: BLE001 - re-raised below
@@ -398,7 +403,8 @@ def measure(name: str, argv: list[str], arms: list[str], repeats: int, workdir: 
             runs[arm].append({"template": t, "plain": p, "template_losses": main_losses, "plain_losses": plain.losses})
             what = "plain vs plain" if arm == "plain" else f"template (tracker {arm}) vs plain"
             print(f"  {label or name}, {what}, #{repeat}: {t.steps} steps in {t.seconds:.2f}s vs {p.seconds:.2f}s "
-                  f"(checkpoints {t.ckpt_seconds:.2f}s in {t.ckpt_count} saves; evaluation {t.eval_seconds:.2f}s subtracted); "
+                  f"(checkpoints {t.ckpt_seconds:.2f}s in {t.ckpt_count} saves; "
+                  f"evaluation {t.eval_seconds:.2f}s subtracted); "
                   f"median step {1000 * t.median_step:.1f} vs {1000 * p.median_step:.1f} ms", flush=True)
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
@@ -412,7 +418,8 @@ def summarise(name: str, result: dict) -> list[list]:
         window_ratio = [r["plain"].seconds / r["template"].seconds for r in runs]
         step_ratio = []
         for r in runs:
-            pairs = [p / t for t, p, clean in zip(r["template"].durations, r["plain"].durations, r["template"].clean) if clean]
+            steps_side_by_side = zip(r["template"].durations, r["plain"].durations, r["template"].clean)
+            pairs = [p / t for t, p, clean in steps_side_by_side if clean]
             step_ratio.append(statistics.median(pairs))
         template_tp = statistics.median(items * steps / r["template"].seconds for r in runs)
         plain_tp = statistics.median(items * steps / r["plain"].seconds for r in runs)
@@ -426,7 +433,8 @@ def summarise(name: str, result: dict) -> list[list]:
             final = (logged[max(logged)], mine[max(logged)], max(logged))
         verdict = "" if arm == "plain" else "met" if statistics.median(window_ratio) >= TARGET else "MISSED"
         rows.append([
-            name, "plain loop (A/A)" if arm == "plain" else f"template, tracker {arm.replace('+', ', with ')}", f"{steps} ({result['first'] + 1}-{result['last']})", f"{template_tp:,.0f} / {plain_tp:,.0f} {unit}",
+            name, "plain loop (A/A)" if arm == "plain" else f"template, tracker {arm.replace('+', ', with ')}",
+            f"{steps} ({result['first'] + 1}-{result['last']})", f"{template_tp:,.0f} / {plain_tp:,.0f} {unit}",
             f"{harness.spread(window_ratio)} {verdict}".strip(), harness.spread(step_ratio),
             f"{ckpt:.2f}s, {share:.1%} ({runs[0]['template'].ckpt_count} saves)",
             f"{final[0]:.4f} / {final[1]:.4f} (step {final[2]}); max diff {max(diffs):.0e}",
@@ -445,12 +453,14 @@ CALLS = [
     ("  of which is_lomo_available()", "accelerate.optimizer:is_lomo_available", None, "total"),
     ("optimizer.zero_grad: accelerate's wrapper", "accelerate.optimizer:AcceleratedOptimizer.zero_grad", None, "self"),
     ("backward: accelerate's wrapper", "accelerate:Accelerator.backward", None, "self"),
-    ("clip_grad_norm_ (accelerate's vs torch's)", "accelerate:Accelerator.clip_grad_norm_", "torch.nn.utils:clip_grad_norm_", "total"),
+    ("clip_grad_norm_ (accelerate's vs torch's)", "accelerate:Accelerator.clip_grad_norm_",
+     "torch.nn.utils:clip_grad_norm_", "total"),
     ("scheduler.step: accelerate's wrapper", "accelerate.scheduler:AcceleratedScheduler.step", None, "self"),
     ("progress bar update", "tqdm.std:tqdm.update", None, "total"),
     ("metrics log (metrics.jsonl, wandb)", "common.tracking:Tracker.log", None, "total"),
 ]
-NESTED = ["torch.optim:AdamW.step", "torch.optim:AdamW.zero_grad", "torch:Tensor.backward", "torch.optim.lr_scheduler:LambdaLR.step"]
+NESTED = ["torch.optim:AdamW.step", "torch.optim:AdamW.zero_grad", "torch:Tensor.backward",
+          "torch.optim.lr_scheduler:LambdaLR.step"]
 
 
 @contextlib.contextmanager
@@ -535,11 +545,13 @@ def describe_setup(setup: str, argv: list[str], result: dict) -> str:
         params = sum(p.numel() for p in module.build_model(cfg, module.load_datasets(cfg)).parameters())
         work = f"batch {cfg.batch_size} digits (8x8)"
     else:
-        params = sum(p.numel() for p in module.GPT(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd).parameters())
+        model = module.GPT(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)
+        params = sum(p.numel() for p in model.parameters())
         work = f"{cfg.batch_size} x {cfg.block_size} tokens a step, {cfg.n_layer} layers, width {cfg.n_embd}"
     arms = [arm for arm in result["runs"] if arm != "plain"] or list(result["runs"])
     ckpts = result["runs"][arms[0]][0]["template"].ckpt_count
-    return (f"{setup}: `{' '.join(argv)}`; {params:,} parameters, {work}; window steps {result['first'] + 1}-{result['last']} "
+    return (f"{setup}: `{' '.join(argv)}`; {params:,} parameters, {work}; "
+            f"window steps {result['first'] + 1}-{result['last']} "
             f"with {ckpts} checkpoint saves (template arm)")
 
 
@@ -547,19 +559,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of: {', '.join(SETUPS)}")
     parser.add_argument("--arms", default="wandb,none,plain",
-                        help="what runs against the plain loop: the template with tracker wandb (its default, offline here) "
-                             "and/or none, and plain (the plain loop itself: the method's noise floor). A tracker arm with "
-                             "'+cached-lomo-check' (e.g. none+cached-lomo-check) runs the template with a proposed fix: "
-                             "accelerate's is_lomo_available(), which AcceleratedOptimizer.step calls twice a step, cached")
+                        help="what runs against the plain loop: the template with tracker wandb (its default, offline "
+                             "here) and/or none, and plain (the plain loop itself: the method's noise floor). A "
+                             "tracker arm with '+cached-lomo-check' (e.g. none+cached-lomo-check) runs the template "
+                             "with a proposed fix: accelerate's is_lomo_available(), which AcceleratedOptimizer.step "
+                             "calls twice a step, cached")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every arm")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both loops (0: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="tiny runs that only check the script works (no meaningful figures)")
-    parser.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                        help="the CPU core both loops are pinned to after start-up (default: the last one; -1: no pinning)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads for both loops (0: torch's default)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny runs that only check the script works (no meaningful figures)")
+    last_core = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    parser.add_argument("--core", type=int, default=last_core,
+                        help="the CPU core both loops are pinned to after start-up "
+                             "(default: the last one; -1: no pinning)")
     parser.add_argument("--attribution-repeats", type=int, default=1,
                         help="extra lockstep runs per template with the template's per-step calls timed (0: skip)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' output folders (printed)")
-    parser.add_argument("--write-results", action="store_true", help="update the overhead section of bench/RESULTS.md")
+    parser.add_argument("--write-results", action="store_true",
+                        help="update the overhead section of bench/RESULTS.md")
     args = parser.parse_args(argv)
     if args.core is not None and args.core < 0:
         args.core = None
@@ -588,8 +606,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"outputs kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    headers = ["template", "against the plain loop", "steps timed", "throughput template / plain", "ratio, window: median [min-max]",
-               "ratio, per step: median [min-max]", "checkpoints in window", "train loss template / plain"]
+    headers = ["template", "against the plain loop", "steps timed", "throughput template / plain",
+               "ratio, window: median [min-max]", "ratio, per step: median [min-max]", "checkpoints in window",
+               "train loss template / plain"]
     text = harness.table(headers, rows)
     print()
     print(text)
@@ -602,20 +621,24 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
         try:
             for setup in setups:
-                argv_t = full_argv(template_of(setup), harness.load_template(template_of(setup)), SETUPS[setup]["quick" if args.quick else "argv"])
+                setup_argv = SETUPS[setup]["quick" if args.quick else "argv"]
+                argv_t = full_argv(template_of(setup), harness.load_template(template_of(setup)), setup_argv)
                 rows_a += attribution(setup, argv_t, 1 if args.quick else args.attribution_repeats, workdir, args)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        table = ("\n\nWhere the template's extra time per step goes: its calls timed inside lockstep runs (tracker none), "
+        table = ("\n\nWhere the template's extra time per step goes: its calls timed inside lockstep runs "
+                 "(tracker none), "
                  "ms per optimizer step, against the plain call each replaces:\n\n"
                  + harness.table(["template", "call", "template", "plain", "difference"], rows_a))
         print(table)
         extra += table
     if args.write_results and not args.quick:
         if any("+" in arm for arm in arms):
-            harness.write_results("overhead-what-if", "What if: a proposed fix, side by side with today's template", text + extra + NOTES, info)
+            harness.write_results("overhead-what-if", "What if: a proposed fix, side by side with today's template",
+                                  text + extra + NOTES, info)
         else:
-            harness.write_results("overhead", "Overhead: template loop vs a plain PyTorch loop (CPU, 1 process)", text + extra + NOTES, info)
+            harness.write_results("overhead", "Overhead: template loop vs a plain PyTorch loop (CPU, 1 process)",
+                                  text + extra + NOTES, info)
 
 
 NOTES = """
@@ -631,7 +654,8 @@ NOTES = """
 - Window ratio: plain time / template time over the window; evaluation time is subtracted (the
   plain loop does not evaluate); checkpoint saves, metrics.jsonl writes, wandb logging and the
   progress bar stay in. Image: the defaults (a checkpoint at every epoch end). Language model:
-  evaluation and checkpoints every eval_every_steps / 2 steps, twice as often as its default. Per-step ratio: median over the window's steps (those without evaluation or
+  evaluation and checkpoints every eval_every_steps / 2 steps, twice as often as its default. \
+Per-step ratio: median over the window's steps (those without evaluation or
   checkpoint) of plain step time / template step time. median [min-max] over the repeats.
 - "plain loop (A/A)" puts a second plain loop in the template's place: ratios away from 1.000 there
   are the method's own noise (different tensor placement of two identical models, the machine).

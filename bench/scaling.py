@@ -36,8 +36,8 @@ import harness  # noqa: E402
 IMAGE_RUN = ["--epochs", "2", "--tracker", "none"]
 LM_RUN = ["--max_steps", "10", "--eval_every_steps", "0", "--sample_tokens", "0", "--tracker", "none"]
 QUICK_IMAGE = ["--epochs", "2", "--batch_size", "256", "--tracker", "none"]
-QUICK_LM = ["--batch_size", "2", "--block_size", "16", "--max_steps", "4", "--eval_every_steps", "0", "--eval_batches", "1",
-            "--sample_tokens", "0", "--tracker", "none"]
+QUICK_LM = ["--batch_size", "2", "--block_size", "16", "--max_steps", "4", "--eval_every_steps", "0",
+            "--eval_batches", "1", "--sample_tokens", "0", "--tracker", "none"]
 
 
 def model_sizes(name: str) -> list[tuple[str, list[str]]]:
@@ -46,7 +46,8 @@ def model_sizes(name: str) -> list[tuple[str, list[str]]]:
     if name == "image_classification":
         w, d = cfg.width, cfg.depth
         sizes = [(max(4, w // 2), max(1, d // 2)), (w, d), (2 * w, d + 1)]
-        return [(f"width {a}, depth {b}" + (" (default)" if (a, b) == (w, d) else ""), ["--width", str(a), "--depth", str(b)])
+        return [(f"width {a}, depth {b}" + (" (default)" if (a, b) == (w, d) else ""),
+                 ["--width", str(a), "--depth", str(b)])
                 for a, b in sizes]
     layers, width, heads = cfg.n_layer, cfg.n_embd, cfg.n_head
     sizes = [(layers, max(heads, width // 2)), (layers, width), (2 * layers, 2 * width)]
@@ -72,7 +73,8 @@ def per_step(name: str, argv: list[str]) -> tuple[int, str, float | None]:
     cfg = module.parse_config(module.Config, argv)
     if name == "image_classification":
         return cfg.batch_size, "images/s", None
-    model = module.GPT(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+    model = module.GPT(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                       n_embd=cfg.n_embd)
     return cfg.batch_size * cfg.block_size, "tokens/s", harness.flops_per_token(model, cfg.block_size)
 
 
@@ -82,14 +84,17 @@ def count_params(name: str, argv: list[str]) -> int:
     if name == "image_classification":
         model = module.build_model(cfg, module.load_datasets(cfg))
     else:
-        model = module.GPT(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+        model = module.GPT(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                           n_embd=cfg.n_embd)
     return sum(p.numel() for p in model.parameters())
 
 
 def sizes(workdir: Path, quick: bool, rounds: int) -> list[list]:
     """Every size of both templates, `rounds` times over in rotation; the median of each size's medians."""
     plans = []
-    for name, run in (("image_classification", QUICK_IMAGE if quick else IMAGE_RUN), ("language_model", QUICK_LM if quick else LM_RUN)):
+    templates = (("image_classification", QUICK_IMAGE if quick else IMAGE_RUN),
+                 ("language_model", QUICK_LM if quick else LM_RUN))
+    for name, run in templates:
         for label, size_args in model_sizes(name)[:1] if quick else model_sizes(name):
             plans.append((name, label, [*run, *size_args]))
     steps: dict[int, list[float]] = {i: [] for i in range(len(plans))}
@@ -100,7 +105,8 @@ def sizes(workdir: Path, quick: bool, rounds: int) -> list[list]:
             probe = harness.run_template(name, [*argv, "--output_dir", str(out)], log_path=workdir / f"size-{i}.log")
             step, counted[i] = steady(name, argv, probe)
             steps[i].append(step)
-            print(f"  round {round_}: {name}, {label}: median step {1000 * step:.1f} ms over {counted[i]} steps", flush=True)
+            print(f"  round {round_}: {name}, {label}: median step {1000 * step:.1f} ms over {counted[i]} steps",
+                  flush=True)
             shutil.rmtree(out, ignore_errors=True)
     rows = []
     for i, (name, label, argv) in enumerate(plans):
@@ -109,8 +115,8 @@ def sizes(workdir: Path, quick: bool, rounds: int) -> list[list]:
         rate = items / step
         gflops = f"{flops * rate / 1e9:.1f}" if flops else "-"
         spread = f"{1000 * min(steps[i]):.1f}-{1000 * max(steps[i]):.1f}"
-        rows.append([name, label, f"{count_params(name, argv):,}", f"{1000 * step:.1f} ({spread})", f"{rate:,.0f} {unit}", gflops,
-                     f"{counted[i]} x {len(steps[i])}"])
+        rows.append([name, label, f"{count_params(name, argv):,}", f"{1000 * step:.1f} ({spread})",
+                     f"{rate:,.0f} {unit}", gflops, f"{counted[i]} x {len(steps[i])}"])
     return rows
 
 
@@ -126,15 +132,19 @@ def ddp(workdir: Path, quick: bool) -> list[list]:
         base = None
         for label, config, processes, threads in variants:
             out = workdir / f"ddp-{len(rows)}"
-            done, probes = harness.launch(config, f"{name}", [*argv, "--output_dir", str(out)], probe_prefix=workdir / f"probe-{len(rows)}",
+            done, probes = harness.launch(config, f"{name}", [*argv, "--output_dir", str(out)],
+                                          probe_prefix=workdir / f"probe-{len(rows)}",
                                           num_processes=processes, threads=threads, timeout=600)
             if done.returncode != 0 or 0 not in probes:
-                raise RuntimeError(f"{name} under {config} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+                raise RuntimeError(f"{name} under {config} failed ({done.returncode}):\n"
+                                   f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
             step, n = steady(name, argv, probes[0])
             rate = processes * items / step
             base = base or rate
-            rows.append([name, label, f"{items:,} per process", f"{1000 * step:.1f}", f"{rate:,.0f} {unit}", f"{rate / base:.2f}x", n])
-            print(f"  {name}, {label}: median step {1000 * step:.1f} ms over {n} steps, {rate:,.0f} {unit} in all", flush=True)
+            rows.append([name, label, f"{items:,} per process", f"{1000 * step:.1f}", f"{rate:,.0f} {unit}",
+                         f"{rate / base:.2f}x", n])
+            print(f"  {name}, {label}: median step {1000 * step:.1f} ms over {n} steps, {rate:,.0f} {unit} in all",
+                  flush=True)
             shutil.rmtree(out, ignore_errors=True)
     return rows
 
@@ -143,8 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["sizes", "ddp"], help="run one of the two parts")
     parser.add_argument("--rounds", type=int, default=2, help="model sizes: rounds over all sizes, in rotation")
-    parser.add_argument("--quick", action="store_true", help="tiny runs that only check the script works (no meaningful figures)")
-    parser.add_argument("--write-results", action="store_true", help="update the scaling section of bench/RESULTS.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny runs that only check the script works (no meaningful figures)")
+    parser.add_argument("--write-results", action="store_true",
+                        help="update the scaling section of bench/RESULTS.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
@@ -157,12 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.only in (None, "sizes"):
             rows = sizes(workdir, args.quick, args.rounds)
-            texts.append(f"Model size (one process, one thread; {args.rounds} rounds, sizes in rotation):\n\n" + harness.table(
-                ["template", "model", "parameters", "median step ms (per-round range)", "throughput", "model GFLOP/s", "steps x rounds"], rows))
+            heading = f"Model size (one process, one thread; {args.rounds} rounds, sizes in rotation):\n\n"
+            texts.append(heading + harness.table(
+                ["template", "model", "parameters", "median step ms (per-round range)", "throughput", "model GFLOP/s",
+                 "steps x rounds"], rows))
         if args.only in (None, "ddp"):
             rows = ddp(workdir, args.quick)
             texts.append("DDP on the CPU (gloo), same batch per process:\n\n" + harness.table(
-                ["template", "processes", "batch", "median step ms (rank 0)", "throughput, all ranks", "vs 1 process, 1 thread", "steps timed"], rows))
+                ["template", "processes", "batch", "median step ms (rank 0)", "throughput, all ranks",
+                 "vs 1 process, 1 thread", "steps timed"], rows))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = "\n\n".join(texts)
@@ -170,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     print(f"\n{time.perf_counter() - started:.0f}s")
     if args.write_results and not args.quick:
-        harness.write_results("scaling", "Scaling: model size, and 2 DDP ranks vs 1 (CPU, informational)", text + NOTES, info)
+        harness.write_results("scaling", "Scaling: model size, and 2 DDP ranks vs 1 (CPU, informational)",
+                              text + NOTES, info)
 
 
 NOTES = """

@@ -78,20 +78,30 @@ class SearchConfig:
     """Run (or continue) an Optuna study over a W&B sweep file; several workers may share it."""
 
     sweep: str = field(metadata={"help": "The sweep YAML (e.g. sweeps/image_classification.yaml)."})
-    n_trials: int = field(default=20, metadata={"help": "Finished trials (complete or pruned) the study should have in total."})
+    n_trials: int = field(default=20, metadata={
+        "help": "Finished trials (complete or pruned) the study should have in total."})
     study_name: str | None = field(default=None, metadata={"help": "Default: the sweep's `name`, else its file name."})
-    storage: str | None = field(default=None, metadata={"help": "Journal file path or database URL; default <output_dir>/<study>/journal.log."})
+    storage: str | None = field(default=None, metadata={
+        "help": "Journal file path or database URL; default <output_dir>/<study>/journal.log."})
     output_dir: str = field(default="runs/search", metadata={"help": "Trials go to <output_dir>/<study>/trial_NNNN."})
     seed: int = field(default=0, metadata={"help": "Seeds the sampler (mixed with each trial's number)."})
-    sampler: str = field(default="auto", metadata={"help": "auto (from method: bayes=tpe, random, grid), tpe, random or grid."})
-    pruner: str = field(default="auto", metadata={"help": "auto (hyperband with early_terminate, else median), hyperband, median or none."})
-    max_resource: int = field(default=0, metadata={"help": "Hyperband: evaluations of a full trial (0: max_iter, else learned from the first trial)."})
-    median_startup_trials: int = field(default=5, metadata={"help": "Median pruner: finished trials before it stops any."})
-    min_evals: int = field(default=1, metadata={"help": "Median pruner: evaluations every trial gets before it may be stopped."})
-    trial_timeout_s: float = field(default=0.0, metadata={"help": "Stop and fail a trial after this many seconds (0: no limit)."})
-    grace_s: float = field(default=10.0, metadata={"help": "Seconds between SIGTERM and SIGKILL when a trial is stopped."})
+    sampler: str = field(default="auto", metadata={
+        "help": "auto (from method: bayes=tpe, random, grid), tpe, random or grid."})
+    pruner: str = field(default="auto", metadata={
+        "help": "auto (hyperband with early_terminate, else median), hyperband, median or none."})
+    max_resource: int = field(default=0, metadata={
+        "help": "Hyperband: evaluations of a full trial (0: max_iter, else learned from the first trial)."})
+    median_startup_trials: int = field(default=5, metadata={
+        "help": "Median pruner: finished trials before it stops any."})
+    min_evals: int = field(default=1, metadata={
+        "help": "Median pruner: evaluations every trial gets before it may be stopped."})
+    trial_timeout_s: float = field(default=0.0, metadata={
+        "help": "Stop and fail a trial after this many seconds (0: no limit)."})
+    grace_s: float = field(default=10.0, metadata={
+        "help": "Seconds between SIGTERM and SIGKILL when a trial is stopped."})
     heartbeat_s: float = field(default=30.0, metadata={"help": "How often a running trial's heartbeat is recorded."})
-    stale_after_s: float = field(default=180.0, metadata={"help": "A RUNNING trial without heartbeat for this long is marked failed."})
+    stale_after_s: float = field(default=180.0, metadata={
+        "help": "A RUNNING trial without heartbeat for this long is marked failed."})
     max_failures: int = field(default=3, metadata={"help": "Stop this worker after this many failed trials in a row."})
 
     def __post_init__(self):
@@ -106,7 +116,8 @@ class SearchConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.stale_after_s <= 2 * self.heartbeat_s:
-            raise ValueError(f"stale_after_s ({self.stale_after_s:g}) must exceed twice heartbeat_s ({self.heartbeat_s:g})")
+            raise ValueError(f"stale_after_s ({self.stale_after_s:g}) must exceed twice heartbeat_s "
+                             f"({self.heartbeat_s:g})")
 
 
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -233,7 +244,8 @@ def make_sampler(kind: str, sweep: Sweep, seed: int):
         def after_trial(self, study, trial, state, values):
             try:
                 self.inner.after_trial(study, trial, state, values)
-            except RuntimeError:  # GridSampler calls study.stop(), which works only inside optimize(); we count ourselves
+            except RuntimeError:
+                # GridSampler calls study.stop(), which works only inside optimize(); we count ourselves
                 pass
 
     return PerTrialSeeded()
@@ -251,7 +263,8 @@ def make_pruner(kind: str, sweep: Sweep, cfg: SearchConfig):
         return pruner, f"median (after {cfg.median_startup_trials} trials, from evaluation {cfg.min_evals})"
     eta = early.get("eta", 3)
     if float(eta) != int(eta) or eta < 2:
-        raise UsageError(f"sweep file {sweep.path}: early_terminate.eta must be a whole number >= 2 for Optuna's hyperband, got {eta}")
+        raise UsageError(f"sweep file {sweep.path}: early_terminate.eta must be a whole number >= 2 "
+                         f"for Optuna's hyperband, got {eta}")
     eta = int(eta)
     if "min_iter" in early:
         min_resource, max_resource = int(early["min_iter"]), cfg.max_resource or "auto"
@@ -288,7 +301,8 @@ def fail_stale_trials(study, stale_after_s: float, host: str) -> list[int]:
         if worker.get("host") == host and isinstance(worker.get("pid"), int) and not _pid_alive(worker["pid"]):
             reason = f"its worker (pid {worker['pid']} on {host}) is gone"
         elif now - beat > stale_after_s:
-            reason = f"no heartbeat from its worker ({worker.get('host', '?')}, pid {worker.get('pid', '?')}) for {now - beat:.0f} s"
+            reason = (f"no heartbeat from its worker ({worker.get('host', '?')}, pid {worker.get('pid', '?')}) "
+                      f"for {now - beat:.0f} s")
         else:
             continue
         try:
@@ -388,11 +402,13 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
     trial.set_user_attr("duration_s", round(result.duration_s, 2))
     if result.state == "stopped":
         study.tell(trial, state=TrialState.PRUNED)
-        print(f"trial {trial.number}: pruned after {len(result.evals)} evaluation(s) ({result.duration_s:.1f} s)", flush=True)
+        print(f"trial {trial.number}: pruned after {len(result.evals)} evaluation(s) ({result.duration_s:.1f} s)",
+              flush=True)
         return "pruned"
     if result.state == "complete" and not math.isnan(result.value):
         study.tell(trial, result.value)
-        print(f"trial {trial.number}: complete, {sweep.metric} = {result.value:.6g} ({result.duration_s:.1f} s)", flush=True)
+        print(f"trial {trial.number}: complete, {sweep.metric} = {result.value:.6g} ({result.duration_s:.1f} s)",
+              flush=True)
         return "complete"
     error = result.error or f"{sweep.metric} is NaN"
     trial.set_user_attr("error", error)
@@ -400,7 +416,8 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
     print(f"trial {trial.number}: failed, {error} (log: {out / 'trial.log'})", flush=True)
     if result.missing_metric:
         logged = ", ".join(result.logged_keys) or "nothing"
-        raise UsageError(f"trial {trial.number} finished without logging metric {sweep.metric!r} (it logged: {logged}); "
+        raise UsageError(f"trial {trial.number} finished without logging metric {sweep.metric!r} "
+                         f"(it logged: {logged}); "
                          f"set metric.name in {sweep.path} to a metric the program logs")
     return "failed"
 
@@ -411,7 +428,8 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
     sweep = load_sweep(cfg.sweep)
     check_command_files(sweep)  # a missing accelerate config would fail every trial with a traceback
     if any(token.split("=")[0] == "--output_dir" for token in extra):
-        raise UsageError("--output_dir after `--`: the runner gives every trial its own; set the runner's --output_dir instead")
+        raise UsageError("--output_dir after `--`: the runner gives every trial its own; "
+                         "set the runner's --output_dir instead")
     study_name = cfg.study_name or sweep.name
     study_dir = Path(cfg.output_dir) / study_name
     storage_spec = cfg.storage or str(study_dir / "journal.log")
@@ -424,7 +442,8 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
     except ValueError as error:  # e.g. the stored study optimizes in the other direction
         raise UsageError(f"study {study_name!r} in {hide_password(storage_spec)}: {error}") from None
     if study.direction.name.lower() != sweep.direction:
-        raise UsageError(f"study {study_name!r} in {hide_password(storage_spec)} was created to {study.direction.name.lower()}, "
+        raise UsageError(f"study {study_name!r} in {hide_password(storage_spec)} "
+                         f"was created to {study.direction.name.lower()}, "
                          f"the sweep file says {sweep.direction}; use another --study_name")
     stored, current = study.user_attrs.get("sweep"), json.loads(json.dumps(sweep.config, default=str))
     if stored is None:
@@ -458,7 +477,8 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
             write_results(study, sweep, study_dir, storage_spec, target)  # current while the study runs
             failures = failures + 1 if state == "failed" else 0
             if failures >= cfg.max_failures:
-                print(f"error: {failures} trials in a row failed; see their trial.log (this worker stops)", file=sys.stderr, flush=True)
+                print(f"error: {failures} trials in a row failed; see their trial.log (this worker stops)",
+                      file=sys.stderr, flush=True)
                 break
     except (KeyboardInterrupt, Interrupted) as error:
         by = str(error) or "Ctrl-C"  # Interrupted carries the signal's name; Ctrl-C raises a bare KeyboardInterrupt

@@ -39,14 +39,19 @@ REPORT_FILE = "seeds.json"
 class SeedsConfig:
     """Re-run the best (or any) parameters of a sweep with several seeds; report mean and sample std."""
 
-    results: str | None = field(default=None, metadata={"help": "results.json of a search: take its best trial's parameters."})
+    results: str | None = field(default=None, metadata={
+        "help": "results.json of a search: take its best trial's parameters."})
     trial: int = field(default=-1, metadata={"help": "With --results: this trial number instead of the best."})
-    sweep: str | None = field(default=None, metadata={"help": "The sweep YAML (command, metric, constants); default: the one --results names."})
+    sweep: str | None = field(default=None, metadata={
+        "help": "The sweep YAML (command, metric, constants); default: the one --results names."})
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds to run, e.g. 0,1,2."})
     output_dir: str = field(default="runs/seeds", metadata={"help": "Runs go to <output_dir>/<name>/seed_<seed>."})
-    name: str | None = field(default=None, metadata={"help": "Folder name under output_dir; default: the study's or sweep's name."})
-    timeout_s: float = field(default=0.0, metadata={"help": "Stop and fail a run after this many seconds (0: no limit)."})
-    grace_s: float = field(default=10.0, metadata={"help": "Seconds between SIGTERM and SIGKILL when a run is stopped."})
+    name: str | None = field(default=None, metadata={
+        "help": "Folder name under output_dir; default: the study's or sweep's name."})
+    timeout_s: float = field(default=0.0, metadata={
+        "help": "Stop and fail a run after this many seconds (0: no limit)."})
+    grace_s: float = field(default=10.0, metadata={
+        "help": "Seconds between SIGTERM and SIGKILL when a run is stopped."})
 
     def __post_init__(self):
         if not self.seeds:
@@ -86,7 +91,8 @@ def read_results(path: str, trial: int) -> tuple[dict, dict]:
     for record in results["trials"]:
         if record["number"] == trial:
             return results, record
-    raise UsageError(f"--results {path}: no trial {trial} (it has {', '.join(str(t['number']) for t in results['trials'])})")
+    numbers = ", ".join(str(t["number"]) for t in results["trials"])
+    raise UsageError(f"--results {path}: no trial {trial} (it has {numbers})")
 
 
 def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
@@ -110,8 +116,10 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
     base = Path(cfg.output_dir) / name
     taken = [s for s in cfg.seeds if (base / f"seed_{s}").exists()]
     if taken:
-        raise UsageError(f"{base} already holds runs for seed(s) {', '.join(map(str, taken))}; choose another --output_dir or --name")
-    ran = effective_args(params, extra)  # what each seed runs (but for --seed): an option after -- replaces a parameter
+        raise UsageError(f"{base} already holds runs for seed(s) {', '.join(map(str, taken))}; "
+                         "choose another --output_dir or --name")
+    # what each seed runs (but for --seed): an option after -- replaces a parameter
+    ran = effective_args(params, extra)
     print(f"{len(cfg.seeds)} seeds of {source}: {shlex.join(ran)}", flush=True)
 
     runs = []
@@ -135,7 +143,8 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
             "duration_s": round(result.duration_s, 2),
             "error": None if value is not None else result.error,
         })
-        print(f"seed {seed}: " + (f"{sweep.metric} = {value:.6g}" if value is not None else f"failed, {result.error}"), flush=True)
+        outcome = f"{sweep.metric} = {value:.6g}" if value is not None else f"failed, {result.error}"
+        print(f"seed {seed}: " + outcome, flush=True)
 
     values = [run["value"] for run in runs if run["value"] is not None]
     report = {
@@ -164,7 +173,8 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
 def format_report(report: dict) -> str:
     lines = [f"{'seed':>6}  {report['metric']}"]
     for run in report["seeds"]:
-        lines.append(f"{run['seed']:>6}  " + (f"{run['value']:.6g}" if run["value"] is not None else f"failed: {run['error']}"))
+        outcome = f"{run['value']:.6g}" if run["value"] is not None else f"failed: {run['error']}"
+        lines.append(f"{run['seed']:>6}  " + outcome)
     if report["mean"] is None:
         lines.append("no seed completed")
     elif report["std"] is None:

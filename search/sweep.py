@@ -116,11 +116,13 @@ class Param:
             return trial.suggest_float(name, spec["min"], spec["max"], log=True)
         q = spec.get("q", 1.0)
         if kind == "q_uniform":
-            if all(isinstance(spec[k], int) and not isinstance(spec[k], bool) for k in ("min", "max")) and isinstance(q, int):
+            int_bounds = all(isinstance(spec[k], int) and not isinstance(spec[k], bool) for k in ("min", "max"))
+            if int_bounds and isinstance(q, int):
                 return trial.suggest_int(name, spec["min"], spec["max"], step=q)
             return trial.suggest_float(name, spec["min"], spec["max"], step=q)
         if kind == "q_log_uniform_values":
-            value = round(trial.suggest_float(name, spec["min"], spec["max"], log=True) / q) * q  # W&B: round(x / q) * q
+            # W&B: round(x / q) * q
+            value = round(trial.suggest_float(name, spec["min"], spec["max"], log=True) / q) * q
             return int(value) if isinstance(q, int) else float(value)
         raise AssertionError(f"unmapped distribution {kind}")  # load_sweep refuses these
 
@@ -133,7 +135,8 @@ class Param:
             return list(spec["values"])
         if kind == "int_uniform":
             return list(range(spec["min"], spec["max"] + 1))
-        raise UsageError(f"parameter {self.name}: grid search needs listed values, a constant or int_uniform, not {kind}")
+        raise UsageError(f"parameter {self.name}: grid search needs listed values, a constant or int_uniform, "
+                         f"not {kind}")
 
 
 @dataclass
@@ -202,7 +205,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
             raise UsageError(f"{where}: parameter {name}: {param.distribution} cannot be searched locally "
                              f"({_UNSUPPORTED[param.distribution]})")
         if name == "output_dir":
-            raise UsageError(f"{where}: parameter output_dir: the runners give every trial its own output_dir; remove it")
+            raise UsageError(f"{where}: parameter output_dir: the runners give every trial its own output_dir; "
+                             "remove it")
     violations = sweeps.schema_violations_from_proposed_config(config)
     if violations:
         more = f" (and {len(violations) - 1} more problem(s))" if len(violations) > 1 else ""
@@ -210,7 +214,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
 
     metric = config.get("metric")
     if not isinstance(metric, dict) or not metric.get("name"):
-        raise UsageError(f"{where}: needs `metric: {{name: ..., goal: maximize|minimize}}` naming a metric the template logs")
+        raise UsageError(f"{where}: needs `metric: {{name: ..., goal: maximize|minimize}}` "
+                         "naming a metric the template logs")
     command = config.get("command") or list(DEFAULT_COMMAND)
     if not all(isinstance(token, (str, int, float)) for token in command):
         raise UsageError(f"{where}: command must be a list of words")
@@ -234,7 +239,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
 def _check_param(where: str, name: str, spec: Any, schema) -> Param:
     prefix = f"{where}: parameter {name}"
     if not isinstance(spec, dict):
-        raise UsageError(f"{prefix}: expected a mapping such as {{values: [...]}} or {{min: ..., max: ...}}, got {spec!r}")
+        raise UsageError(f"{prefix}: expected a mapping such as {{values: [...]}} or {{min: ..., max: ...}}, "
+                         f"got {spec!r}")
     for key in ("min", "max", "q", "mu", "sigma", "a", "b"):
         value = spec.get(key)
         if isinstance(value, str):
@@ -253,9 +259,11 @@ def _check_param(where: str, name: str, spec: Any, schema) -> Param:
         filled = ("param_dict", spec)
     except ValueError as error:  # min >= max
         message = str(error)
-        raise UsageError(f"{where}: {message if message.startswith(name) else f'parameter {name}: {message}'}") from None
+        named = message if message.startswith(name) else f"parameter {name}: {message}"
+        raise UsageError(f"{where}: {named}") from None
     if filled is None:
-        raise UsageError(f"{prefix}: {spec!r} is not a W&B parameter (need value, values, or min/max with a distribution)")
+        raise UsageError(f"{prefix}: {spec!r} is not a W&B parameter "
+                         "(need value, values, or min/max with a distribution)")
     kind, filled_spec = filled
     return Param(name=name, distribution=_DISTRIBUTION[kind], spec=filled_spec)
 
@@ -289,7 +297,8 @@ def expand_envvars(token: str) -> str:
     return re.sub(r"\$\{envvar:([A-Z0-9_]*)\}", lambda m: os.environ.get(m.group(1), m.group(1)), token)
 
 
-def build_command(sweep: Sweep, values: dict[str, Any], extra: list[str] = (), output_dir: str | None = None) -> list[str]:
+def build_command(sweep: Sweep, values: dict[str, Any], extra: list[str] = (),
+                  output_dir: str | None = None) -> list[str]:
     """The argument list for one trial: the sweep's command with its macros filled in.
 
     `extra` (options given after `--` to the runner) and `--output_dir` follow the parameters,
@@ -395,7 +404,8 @@ def add_launch_port(argv: list[str]) -> list[str]:
     if any(token.startswith("--main_process_port") for token in argv):
         return argv
     for i, token in enumerate(argv[:-1]):
-        if (os.path.basename(token) == "accelerate" and argv[i + 1] == "launch") or token == "accelerate.commands.launch":
+        if ((os.path.basename(token) == "accelerate" and argv[i + 1] == "launch")
+                or token == "accelerate.commands.launch"):
             at = i + 2 if argv[i + 1] == "launch" else i + 1
             return argv[:at] + [f"--main_process_port={free_port()}"] + argv[at:]
     return argv
