@@ -138,6 +138,21 @@ def test_validation_split_is_by_example_and_stable_when_data_grows(tmp_path, tok
     assert {e.key for e in val} <= {e.key for e in val_grown}  # no example changed sides
 
 
+def test_plain_text_is_cut_into_windows_of_max_length_and_every_token_is_learned(tmp_path, tokenizer):
+    module = ft()
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for number in range(30):
+        (folder / f"doc{number}.txt").write_text(f"document {number}: " + "the quick brown fox " * 12)
+    train, val, kind = module.load_examples(module.Config(data_path=str(folder), max_length=16), tokenizer)
+    assert kind == "text" and train and val
+    for example in train + val:
+        assert 2 <= len(example.input_ids) <= 16 and example.labels == example.input_ids
+    document = [e for e in train + val if e.key.startswith("doc7.txt:")]
+    ids = [token for e in sorted(document, key=lambda e: int(e.key.split(":")[1])) for token in e.input_ids]
+    assert tokenizer.decode(ids) == "document 7: " + "the quick brown fox " * 12 + "<|im_end|>"  # nothing lost
+
+
 # ------------------------------------------------------------------------------------- real launches
 STEPS = ("--max_steps", "60", "--eval_every_steps", "30", "--batch_size", "16", "--warmup_steps", "5",
          "--log_every_steps", "10", "--tracker", "none", "--sample_tokens", "6")
