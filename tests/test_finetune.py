@@ -306,3 +306,14 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(case, tmp_path, 
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and expected.format(**fill) in errors[0], errors
     assert not out.exists()  # refused before anything was written
+
+
+def test_bad_input_run_as_a_program_prints_only_the_error_line(tmp_path, tiny_model):
+    """The real program, not main() in-process: stderr is the one line, no traceback, exit 2."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "a", "completion": ""}])
+    done = subprocess.run([sys.executable, str(TEMPLATE), "--model", str(tiny_model), "--data_path", str(data),
+                           "--output_dir", str(tmp_path / "out"), "--tracker", "none"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [f"error: {data} line 1: empty completion: nothing to learn"]
+    assert not (tmp_path / "out").exists()
