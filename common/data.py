@@ -116,12 +116,12 @@ def build_loader(
 
 
 def build_loaders(accelerator, train_set: Dataset, val_set: Dataset, *, batch_size: int, seed: int,
-                  num_workers: int, what: str):
+                  num_workers: int, what: str, collate_fn=None):
     """The training and validation loaders, prepared (each rank holds its shard), and the training
     loader's micro-batches per epoch. Refuses a training set with no full batch per process and warns,
     on the main process, when whole batches leave much of it out (`check_full_batches`)."""
     loader_args = dict(batch_size=batch_size, seed=seed, device=accelerator.device, rank=accelerator.process_index,
-                       num_workers=num_workers)
+                       num_workers=num_workers, collate_fn=collate_fn)
     train_loader, val_loader = accelerator.prepare(build_loader(train_set, train=True, **loader_args),
                                                    build_loader(val_set, train=False, **loader_args))
     warning = check_full_batches(len(train_loader), len(train_set), batch_size, accelerator.num_processes, what)

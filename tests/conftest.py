@@ -152,3 +152,12 @@ def fresh_accelerate(monkeypatch):
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny Llama-architecture model and tokenizer, written once per session by scripts/make_tiny_model.py."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny")

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, clean_env
 
-SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu"]
+SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "finetune_loading"]
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -49,6 +49,12 @@ def test_checkpoints_quick():
 def test_scaling_quick():
     out = run("bench/scaling.py", "--quick").stdout
     assert "Model size" in out and "2 DDP ranks" in out
+
+
+def test_finetune_loading_quick():
+    out = run("bench/finetune_loading.py", "--quick", "--dtype", "fp32").stdout
+    rows = [line for line in out.splitlines() if line.startswith("| fp32 ")]
+    assert len(rows) == 4 and "one copy" in rows[0] and "naive" in rows[3], out  # 2 ways x 2 ranks measured
 
 
 def test_gpu_dry_run_builds_the_commands():

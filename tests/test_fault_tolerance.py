@@ -37,6 +37,7 @@ from common.errors import read_status
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
+FT = REPO / "templates" / "finetune_causal_lm.py"
 INJECT = REPO / "tests" / "fault_inject.py"
 SEED_OFFSET = int(os.environ.get("FAULT_SEED_OFFSET", "0"))
 
@@ -52,6 +53,13 @@ LM_ARGS = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", 
            "--warmup_steps", "2", "--log_every_steps", "1", "--eval_every_steps", "5", "--eval_batches", "4",
            "--sample_tokens", "8", "--max_steps", "14", "--dropout", "0.1", "--num_workers", "1",
            "--gradient_accumulation_steps", "2", "--checkpoint_every_steps", "3", "--tracker", "none")
+# The tiny Llama of scripts/make_tiny_model.py on 120 reverse-a-word examples (~108 for training): batch 8 with
+# accumulation 2 is 13 micro-batches, 7 optimizer steps per epoch on one process and 3 on each of 2 ranks.
+FT_ARGS = ("--max_steps", "12", "--eval_every_steps", "6", "--batch_size", "8", "--gradient_accumulation_steps", "2",
+           "--checkpoint_every_steps", "3", "--log_every_steps", "1", "--num_workers", "1", "--learning_rate", "3e-3",
+           "--warmup_steps", "2", "--sample_tokens", "4", "--tracker", "none")
+FT_LORA = ("--lora_r", "4", "--lora_dropout", "0.1", "--learning_rate", "1e-2")
+LLAMA_UNITS = ("--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer")  # what fsdp.yaml's `Block` is for Llama
 DETERMINISTIC = ("train/loss", "lr", "epoch", "train/skipped_steps", "val/loss", "val/accuracy", "val/samples", "val/bpb")
 
 
@@ -76,6 +84,7 @@ class Cell:
     events: tuple[Event, ...]
     args: tuple[str, ...] = ()
     again: bool = False  # after the chain, run the finished run once more (it must log nothing twice)
+    launcher: tuple[str, ...] = ()  # options for `accelerate launch` itself
 
 
 # One chain of faults per cell, one launch each, then a launch to the end. Each event's range lies
@@ -95,6 +104,10 @@ CELLS = {
                    args=("--batch_size", "8", "--log_every_steps", "2")),  # off the checkpoint grid (every 3)
     "lm-fsdp": Cell(LM, "fsdp.yaml", (Event("kill", 14, 2, 6, rank=1), Event("kill_save", 15, 8, 12, rank=1)),
                     args=("--batch_size", "8")),
+    "ft-1proc": Cell(FT, "cpu.yaml", (Event("kill", 16, 2, 4), Event("kill_save", 17, 7, 9))),
+    "ft-lora-1proc": Cell(FT, "cpu.yaml", (Event("kill", 18, 4, 8),), args=FT_LORA),
+    "ft-fsdp": Cell(FT, "fsdp.yaml", (Event("kill", 19, 2, 6, rank=1),), launcher=LLAMA_UNITS),
+    "ft-fsdp-lora": Cell(FT, "fsdp.yaml", (Event("kill", 20, 4, 8, rank=0),), args=FT_LORA, launcher=LLAMA_UNITS),
 }
 
 
@@ -132,21 +145,22 @@ def show(launch: Launch) -> str:
     return f"exit {launch.result.returncode}\n--- stdout ---\n{launch.result.stdout[-3000:]}\n--- stderr ---\n{launch.result.stderr[-4000:]}"
 
 
-def command(template: Path, config: str | None, args: list[str], wrapped: bool) -> list[str]:
+def command(template: Path, config: str | None, args: list[str], wrapped: bool, launcher: tuple[str, ...] = ()) -> list[str]:
     script = [str(INJECT), str(template)] if wrapped else [str(template)]
     if config is None:
         return [sys.executable, *script, *args]
     processes = ["--num_processes", "2"] if config != "cpu.yaml" else []
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config), *processes,
-            "--main_process_port", str(free_port()), *script, *args]
+            "--main_process_port", str(free_port()), *launcher, *script, *args]
 
 
 def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fault: dict[str, str] | None = None,
-        timeout: float = 300) -> Launch:
+        timeout: float = 300, launcher: tuple[str, ...] = ()) -> Launch:
     record = out.parent / f"records-{out.name}-{time.monotonic_ns()}"
     env = clean_env(**({k: str(v) for k, v in fault.items()} | {"FAULT_RECORD": str(record)} if fault else {}))
     started = time.monotonic()
-    result = subprocess.run(command(template, config, [*args, "--output_dir", str(out)], wrapped=fault is not None),
+    result = subprocess.run(command(template, config, [*args, "--output_dir", str(out)], wrapped=fault is not None,
+                                    launcher=launcher),
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     seconds = time.monotonic() - started
     records = read_records(record)
@@ -161,6 +175,9 @@ def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fa
 
 
 def cell_args(cell: Cell, corpus: Path) -> tuple[str, ...]:
+    if cell.template == FT:  # the fixture writes the tiny model and its data beside the corpus
+        return (*FT_ARGS, "--model", str(corpus.parent / "tiny_model"), "--data_path", str(corpus.parent / "reverse.jsonl"),
+                *cell.args)
     if cell.template == LM:
         return (*LM_ARGS, "--data_path", str(corpus), *cell.args)
     return (*IMAGE_ARGS, *cell.args)
@@ -177,16 +194,17 @@ class Chain:
 def run_chain(name: str, root: Path, corpus: Path) -> Chain:
     cell = CELLS[name]
     args = cell_args(cell, corpus)
-    chain = Chain(baseline=run(cell.template, cell.config, root / "baseline", args), out=root / "run")
+    chain = Chain(baseline=run(cell.template, cell.config, root / "baseline", args, launcher=cell.launcher), out=root / "run")
     for event in cell.events:
         fault = {"FAULT": event.fault, "FAULT_STEP": event.step, "FAULT_RANK": event.rank, "FAULT_SIGNAL": event.signal}
-        launch = run(cell.template, cell.config, chain.out, args, fault)
+        launch = run(cell.template, cell.config, chain.out, args, fault, launcher=cell.launcher)
         launch.event, launch.step = event, event.step
         chain.launches.append(launch)
-    chain.launches.append(run(cell.template, cell.config, chain.out, args))  # to the end, --resume auto (the default)
+    # to the end, --resume auto (the default)
+    chain.launches.append(run(cell.template, cell.config, chain.out, args, launcher=cell.launcher))
     if cell.again:
         logged = (chain.out / "metrics.jsonl").read_bytes()
-        chain.again = (run(cell.template, cell.config, chain.out, args), logged)
+        chain.again = (run(cell.template, cell.config, chain.out, args, launcher=cell.launcher), logged)
     return chain
 
 
@@ -238,11 +256,16 @@ def process_state(pid: int) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_model):
     """Every run of this module, two at a time; each test reads the ones it is about."""
     root = tmp_path_factory.mktemp("faults")
     corpus = root / "tiny.txt"
     corpus.write_text(tiny_text())
+    sys.path.insert(0, str(REPO / "scripts"))
+    from make_tiny_model import reverse_task
+
+    (root / "tiny_model").symlink_to(tiny_model)  # what cell_args names for the fine-tuning cells
+    (root / "reverse.jsonl").write_text("".join(json.dumps(e) + "\n" for e in reverse_task(120)))
     lm_args = (*LM_ARGS, "--data_path", str(corpus), "--batch_size", "16")
 
     def job(name: str, root: Path):
@@ -259,7 +282,8 @@ def runs(tmp_path_factory):
         raise AssertionError(name)
 
     # The hung rank mostly waits: it starts first, beside the longest chain.
-    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc", "fp16-image", "fp16-lm"]
+    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc", "fp16-image", "fp16-lm",
+             "ft-fsdp", "ft-1proc", "ft-fsdp-lora", "ft-lora-1proc"]
     if os.environ.get("FAULT_JOBS"):  # e.g. FAULT_JOBS=image-ddp,hung-rank: only these (the other tests then fail)
         order = [name for name in order if name in os.environ["FAULT_JOBS"].split(",")]
 
@@ -329,7 +353,7 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
     final = chain.launches[-1]
     assert final.result.returncode == 0, show(final)
     base, out = Path(chain.baseline.result.args[-1]), chain.out  # the command's last word is its --output_dir
-    reference, resumed = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    reference, resumed = load_file(exported_weights(base)), load_file(exported_weights(out))
     assert sorted(reference) == sorted(resumed)
     assert [k for k in reference if not torch.equal(reference[k], resumed[k])] == []
     # The same metrics at every step too: lines after a resumed checkpoint were dropped and written again.
@@ -340,6 +364,12 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
         assert again.result.returncode == 0 and "resumed from" in again.result.stdout, show(again)
         assert (out / "metrics.jsonl").read_bytes() == logged
         assert again.status["state"] == "finished"
+
+
+def exported_weights(out: Path) -> str:
+    """The export's weights: the templates' model.safetensors, or a fine-tuned model's (or LoRA adapter's) in model/."""
+    candidates = [out / "model.safetensors", out / "model" / "model.safetensors", out / "model" / "adapter_model.safetensors"]
+    return str(next((path for path in candidates if path.is_file()), candidates[0]))
 
 
 def faults(chain: Chain, *kinds: str):

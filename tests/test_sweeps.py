@@ -40,12 +40,16 @@ SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
 TEMPLATE_METRIC = {
     "templates/image_classification.py": ("val/accuracy", "maximize"),
     "templates/language_model.py": ("val/loss", "minimize"),
+    "templates/finetune_causal_lm.py": ("val/loss", "minimize"),
 }
 # Settings that make one launch take seconds; added after the sweep's argv in the every-rank test.
 TINY = {
     "templates/image_classification.py": ["--epochs=1", "--stop_after_steps=1", "--tracker=none", "--num_workers=0"],
     "templates/language_model.py": ["--max_steps=1", "--eval_every_steps=0", "--eval_batches=2", "--sample_tokens=0",
                                     "--block_size=16", "--tracker=none", "--num_workers=0"],
+    # {tiny_model} and {data}: the offline model of scripts/make_tiny_model.py and its task, filled in by the test
+    "templates/finetune_causal_lm.py": ["--model={tiny_model}", "--data_path={data}", "--max_steps=1",
+                                        "--eval_every_steps=0", "--sample_tokens=0", "--tracker=none"],
 }
 
 
@@ -200,7 +204,7 @@ def test_agent_argv_keeps_floats_ints_booleans_lists(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=ids)
-def test_agent_argv_reaches_every_rank_unchanged(path, monkeypatch, tmp_path):
+def test_agent_argv_reaches_every_rank_unchanged(path, monkeypatch, tmp_path, tiny_model):
     """The agent's argv, launched on 2 gloo ranks (cpu_ddp.yaml): each rank parses the same config."""
     config = read(path)
     np.random.seed(2)
@@ -209,7 +213,12 @@ def test_agent_argv_reaches_every_rank_unchanged(path, monkeypatch, tmp_path):
     launch = prefix[:-1]  # /usr/bin/env accelerate launch --config_file <config>
     launch[launch.index("--config_file") + 1] = str(CONFIGS / "cpu_ddp.yaml")
     out = tmp_path / "run"
-    tiny = TINY[config["program"]] + [f"--output_dir={out}"]
+    sys.path.insert(0, str(REPO / "scripts"))
+    from make_tiny_model import reverse_task
+
+    data = tmp_path / "reverse.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in reverse_task(100)))
+    tiny = [o.format(tiny_model=tiny_model, data=data) for o in TINY[config["program"]]] + [f"--output_dir={out}"]
     argv = [*launch, "--main_process_port", str(free_port()), str(REPO / "tests" / "sweep_probe.py"), *options, *tiny]
     env = clean_env(PROBE_TEMPLATE=str(REPO / config["program"]), PROBE_DIR=str(tmp_path),
                     PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))

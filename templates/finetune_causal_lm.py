@@ -1,0 +1,574 @@
+"""Fine-tune a pretrained Hugging Face causal LM (full or LoRA) on prompt/completion, chat or text data.
+
+    python scripts/make_tiny_model.py runs/tiny --data runs/reverse.jsonl          # offline demo model + task
+    accelerate launch --config_file accelerate_configs/cpu.yaml templates/finetune_causal_lm.py \
+        --model runs/tiny --data_path runs/reverse.jsonl --learning_rate 3e-3 --max_steps 150
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 \
+        --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer templates/finetune_causal_lm.py \
+        --model meta-llama/Llama-3.2-1B-Instruct --data_path chats.jsonl --lora_r 16
+
+Data (`--data_path`): JSONL with `prompt`/`completion` strings, or with chat `messages` rendered by the
+tokenizer's chat template, or plain text (a .txt file or a folder of them). The loss counts only completion
+/ assistant tokens (plain text: every token). Batches are padded per batch (no packing). Under FSDP rank 0
+alone reads the weights; every rank builds the model on the meta device, shards it and receives its shard
+by broadcast, so a machine holds one full copy while loading. Copy this file plus `common/` into your project.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
+sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
+
+from common.accelerator import peak_memory_gb, start_run  # noqa: E402
+from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager  # noqa: E402
+from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
+from common.data import build_loaders, split_by_key  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, SaveError, UsageError, with_exit_codes  # noqa: E402
+from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.preemption import end_run  # noqa: E402
+from common.tracking import Tracker, progress_bar, say  # noqa: E402
+
+# accelerate warns at every checkpoint that it stored a tied lm_head.weight once; loading re-ties it.
+logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+IGNORE = -100  # the label of a token the loss skips (prompt, system, padding)
+
+
+@dataclass
+class Config(OptimOptions, RunOptions):
+    """Fine-tune a pretrained causal LM from the Hub or a local folder: full fine-tuning or LoRA."""
+
+    model: str = option("HuggingFaceTB/SmolLM2-135M-Instruct", "Hub id or local folder of a causal LM.")
+    data_path: str | None = option(None, "JSONL (prompt/completion or chat messages), a .txt file or a folder.")
+    val_fraction: float = option(0.1, "Examples held out for validation, by a stable hash of each.", "(0, 1)")
+    max_length: int = option(512, "Tokens per example; a longer example is refused with its line number.",
+                             "[2, inf)")
+    max_steps: int = option(200, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
+    eval_every_steps: int = option(50, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
+                                   "[0, inf)")
+    batch_size: int = option(8, "Examples per process, per micro-batch.", "[1, inf)")
+    learning_rate: float = option(2e-5, "Peak LR for one process (full: ~2e-5; LoRA: ~2e-4).", "(0, inf)")
+    weight_decay: float = option(0.0, "AdamW weight decay (matrices only).", "[0, inf)")
+    warmup_steps: int = option(10, "Linear warmup before the cosine decay.", "[0, inf)")
+    lora_r: int = option(0, "LoRA rank; 0: full fine-tuning of every weight.", "[0, inf)")
+    lora_alpha: float = option(16.0, "LoRA scale numerator (the update is scaled by alpha / r).", "(0, inf)")
+    lora_dropout: float = option(0.05, "Dropout on the LoRA branch.", "[0, 1)")
+    lora_target_modules: list[str] = option(["all-linear"], "Module names LoRA adapts, e.g. [q_proj, v_proj].")
+    merge_lora: bool = option(False, "Export the model with the adapter merged in, instead of the adapter alone.")
+    gradient_checkpointing: bool = option(False, "Recompute each layer's activations in backward: less memory.")
+    compile: bool = option(False, "torch.compile each decoder layer.")
+    prompt: str = option("", "Prompt of the sample at the end (chat data: the user message); default: a "
+                             "validation example's.")
+    sample_tokens: int = option(32, "Tokens to generate (greedy) at the end (0: no sample).", "[0, inf)")
+    num_workers: int = option(0, "Loader workers per process (tokenized data is in memory: 0 is fine).", "[0, 128]")
+    output_dir: str = option("runs/finetune_causal_lm", "Checkpoints, metrics, status.json and the export go here.")
+    wandb_project: str = option("finetune-causal-lm-template", "W&B project name.")
+
+
+# ----------------------------------------------------------------------------------------- data
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE where the loss does not count; the token itself where it does
+    key: str  # what the validation split hashes: the example's own content
+
+
+def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """Prompt tokens (with the tokenizer's BOS, if it adds one) masked, completion tokens and EOS learned."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + completion_ids, [IGNORE] * len(prompt_ids) + completion_ids
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Render with the chat template; learn only what each assistant message adds (its end-of-turn included).
+
+    The conversation is rendered once per message and each piece is what that message added to the text,
+    so a template's own markup (role headers, the generation prompt) stays masked whatever it looks like.
+    """
+    ids, labels, done = [], [], ""
+    for index, message in enumerate(messages):
+        assistant = message["role"] == "assistant"
+        if assistant:  # the header the model sees at generation time is context, not a target
+            header = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+            ids, labels, done = _add_piece(tokenizer, ids, labels, done, header, learn=False)
+        text = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        ids, labels, done = _add_piece(tokenizer, ids, labels, done, text, learn=assistant)
+    return ids, labels
+
+
+def _add_piece(tokenizer, ids, labels, done: str, text: str, learn: bool):
+    if not text.startswith(done):
+        raise UsageError("the chat template renders a conversation's start differently once more messages follow; "
+                         "this template needs a chat template that only appends")
+    piece = tokenizer(text[len(done):], add_special_tokens=False)["input_ids"]
+    return ids + piece, labels + (piece if learn else [IGNORE] * len(piece)), text
+
+
+def read_jsonl(path: Path, tokenizer, max_length: int) -> list[Example]:
+    examples, too_long = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise UsageError(f"{where}: not JSON ({error})") from None
+        if isinstance(record, dict) and isinstance(record.get("messages"), list):
+            messages = record["messages"]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages):
+                raise UsageError(f"{where}: every message needs a 'role' and a 'content' string")
+            if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+                raise UsageError(f"{where}: no assistant message with content: nothing to learn")
+            if tokenizer.chat_template is None:
+                raise UsageError(f"{where}: chat messages, but the tokenizer of --model has no chat template; use "
+                                 "prompt/completion pairs or a model with a chat template")
+            ids, labels = encode_chat(tokenizer, messages)
+        elif isinstance(record, dict) and isinstance(record.get("prompt"), str) \
+                and isinstance(record.get("completion"), str):
+            if not record["completion"].strip():
+                raise UsageError(f"{where}: empty completion: nothing to learn")
+            ids, labels = encode_completion(tokenizer, record["prompt"], record["completion"])
+        else:
+            raise UsageError(f"{where}: needs 'prompt' and 'completion' strings, or a 'messages' list")
+        if len(ids) > max_length:
+            too_long.append(f"line {number} ({len(ids)} tokens)")
+        examples.append(Example(ids, labels, line.strip()))
+    if too_long:  # refused, not truncated or dropped: either would silently train on something else
+        raise UsageError(f"{path}: {len(too_long)} examples are longer than --max_length {max_length} "
+                         f"(e.g. {', '.join(too_long[:3])}); raise --max_length or shorten them")
+    return examples
+
+
+def read_text(path: Path, tokenizer, max_length: int) -> list[Example]:
+    """A plain text file as windows of max_length tokens, every token learned."""
+    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+    return [Example(ids[i:i + max_length], ids[i:i + max_length], f"{path.name}:{i}")
+            for i in range(0, len(ids) - 1, max_length)]
+
+
+def load_examples(cfg: Config, tokenizer) -> tuple[list[Example], list[Example], str]:
+    if cfg.data_path is None:
+        raise UsageError("pass --data_path: a JSONL file of prompt/completion pairs or chat messages, or text")
+    path = Path(cfg.data_path)
+    if not path.exists():
+        raise UsageError(f"--data_path {path}: no such file or folder")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
+        else [path]
+    jsonl = [f for f in files if f.suffix == ".jsonl"]
+    try:
+        examples = [e for f in (jsonl or files) for e in
+                    (read_jsonl(f, tokenizer, cfg.max_length) if jsonl else read_text(f, tokenizer, cfg.max_length))]
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--data_path {path}: cannot read it ({error})") from None
+    train_idx, val_idx = split_by_key([e.key for e in examples], cfg.val_fraction)
+    if not train_idx or not val_idx:
+        raise UsageError(f"--data_path {path}: {len(examples)} examples give {len(train_idx)} for training and "
+                         f"{len(val_idx)} for validation; both need some (more data, or another --val_fraction)")
+    kind = "chat" if jsonl and "messages" in json.loads(examples[0].key) else "completion" if jsonl else "text"
+    return [examples[i] for i in train_idx], [examples[i] for i in val_idx], kind
+
+
+class Examples(Dataset):
+    def __init__(self, examples: list[Example]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
+        return self.examples[index].input_ids, self.examples[index].labels
+
+
+class PadToLongest:
+    """Collate: right-pad each batch to its longest example (pad token, attention 0, label IGNORE)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        longest = max(len(ids) for ids, _ in batch)
+        pad = [longest - len(ids) for ids, _ in batch]
+        return {"input_ids": torch.tensor([ids + [self.pad_id] * p for (ids, _), p in zip(batch, pad)]),
+                "attention_mask": torch.tensor([[1] * len(ids) + [0] * p for (ids, _), p in zip(batch, pad)]),
+                "labels": torch.tensor([labels + [IGNORE] * p for (_, labels), p in zip(batch, pad)])}
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss of predicting labels[t + 1] from position t; 0 where the label is IGNORE."""
+    targets = labels[:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                             reduction="none")
+    return losses.view(targets.shape)
+
+
+# ---------------------------------------------------------------------------------------- model
+def load_tokenizer_and_config(name: str):
+    """The tokenizer and config of --model, refused in one line if missing or not a causal LM."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise UsageError(f"--model {name}: a {config.model_type!r} model is not a causal language model")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {name}: cannot load it ({str(error).splitlines()[0]})") from None
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"--model {name}: its tokenizer has no end-of-sequence token to end completions with")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked: any id works
+    return tokenizer, config
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t != "all-linear" and t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UsageError(f"--lora_target_modules: the model has no module named {', '.join(missing)} "
+                         f"(its linear layers: {', '.join(linear)})")
+
+
+def load_model(cfg: Config, accelerator, config):
+    """The pretrained model, adapted for training (LoRA, gradient checkpointing, compile).
+
+    Under FSDP only rank 0 reads the weights: every rank builds the model on the meta device, shards it, and
+    rank 0 broadcasts its weights into each rank's shard (`shard_and_broadcast`), so a machine holds one full
+    copy while loading instead of one per rank.
+    """
+    from accelerate import init_empty_weights
+    from accelerate.utils import DistributedType
+    from transformers import AutoModelForCausalLM
+
+    # bf16 weights where the mixed precision is bf16 (a frozen LoRA base stays there; trained weights are fp32)
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return adapt_for_training(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), cfg)
+    # LoRA's initial adapter is drawn on rank 0 and broadcast with the weights
+    full_state = adapt_for_training(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), cfg).state_dict() \
+        if accelerator.is_main_process else {}
+    with init_empty_weights(include_buffers=False):  # buffers stay real: the rotary inv_freq is computed, not loaded
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # from_config on meta leaves a tied output layer untied
+    model = adapt_for_training(model, cfg)
+    shard_and_broadcast(model, full_state, accelerator)
+    return model
+
+
+def adapt_for_training(model, cfg: Config):
+    model.config.use_cache = False  # training takes whole sequences; the sample below needs no cache either
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        check_lora_targets(model, cfg.lora_target_modules)
+        targets = "all-linear" if "all-linear" in cfg.lora_target_modules else cfg.lora_target_modules
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                                 lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM"))
+    else:
+        model = model.float()  # fp32 master weights; accelerate's autocast computes in bf16 where it is on
+    if cfg.compile:  # each decoder layer in place: one graph reused by every layer, state-dict keys unchanged
+        for module in model.modules():
+            if type(module).__name__ in (getattr(model, "_no_split_modules", None) or []):
+                module.compile()
+    return model
+
+
+def shard_and_broadcast(model, full_state: dict, accelerator) -> None:
+    """FSDP2 on a meta model: one unit per layer class of the launch config (fsdp_transformer_layer_cls_to_wrap)
+    plus the root, local shards allocated, then filled from rank 0's full state dict by broadcast.
+
+    accelerate's own cpu_ram_efficient_loading keeps each received full tensor alive behind its shard (a view):
+    measured 0.83-0.90x of the model per rank on 2 ranks instead of ~0.5x (bench/finetune_loading.py).
+    `accelerator.prepare` then takes the sharded model as it is.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)  # refuses a layer class the model does not have
+    is_unit = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    options = dict(offload_policy=plugin.cpu_offload, mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+    for module in reversed(list(model.modules())):  # innermost first
+        if module is not model and is_unit is not None and is_unit(module):
+            fully_shard(module, reshard_after_forward=plugin.reshard_after_forward, **options)
+    fully_shard(model, **options)
+    computed = {}  # non-persistent buffers (rotary inv_freq): not in any state dict, garbage after to_empty
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            computed[f"{prefix}.{name}" if prefix else name] = module.get_buffer(name).clone()
+    model.to_empty(device=accelerator.device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full_state.clear()
+    for name, value in computed.items():
+        model.get_buffer(name).copy_(value)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def keep_adapter_only_in_checkpoints(accelerator, model) -> None:
+    """LoRA: a checkpoint holds the trained parameters (the adapter) and their optimizer state, not the frozen base.
+
+    Under FSDP accelerate writes each rank's shard of the whole model itself (these hooks do not see it).
+    """
+    trained = {name for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+
+    def save_hook(models, weights, output_dir):
+        for state_dict in weights:
+            for key in [k for k in state_dict if k.removeprefix("module.") not in trained]:
+                del state_dict[key]
+
+    def load_hook(models, input_dir):
+        from safetensors.torch import load_file
+
+        for wrapped in models:
+            state_dict = {k.removeprefix("module."): v for k, v in load_file(f"{input_dir}/model.safetensors").items()}
+            result = accelerator.unwrap_model(wrapped).load_state_dict(state_dict, strict=False)
+            if result.unexpected_keys or trained - set(state_dict):
+                raise ValueError(f"adapter checkpoint does not fit: unexpected {result.unexpected_keys[:3]}, "
+                                 f"missing {sorted(trained - set(state_dict))[:3]}")
+        models.clear()  # loaded here: accelerate must not load them again, strictly
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+# ----------------------------------------------------------------------------- evaluation, export
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict[str, float]:
+    model.eval()
+    total, tokens = 0.0, 0
+    for batch in loader:
+        losses = token_losses(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                              batch["labels"])
+        # Per-example sums and counts: gather_for_metrics drops the examples DDP padding repeated.
+        sums, counts = accelerator.gather_for_metrics(
+            (losses.double().sum(1), (batch["labels"][:, 1:] != IGNORE).sum(1)))
+        total += sums.sum().item()
+        tokens += int(counts.sum().item())
+    model.train()
+    loss = total / max(tokens, 1)
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/tokens": tokens}
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[int], new_tokens: int, eos_id: int, device) -> list[int]:
+    """Greedy decoding, the same number of forwards on every rank (FSDP needs all ranks in each one)."""
+    model.eval()
+    ids = torch.tensor([prompt_ids], device=device)
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    model.train()
+    out = ids[0, len(prompt_ids):].tolist()
+    return out[: out.index(eos_id)] if eos_id in out else out
+
+
+def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Path:
+    """save_pretrained (safetensors) + tokenizer, loadable without accelerate; under FSDP gathered on the main process.
+    LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written atomically."""
+    state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
+    failure = None
+    if accelerator.is_main_process:
+        tmp = folder.with_name(f".tmp-{folder.name}")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            unwrapped = accelerator.unwrap_model(model)
+            if cfg.lora_r and cfg.merge_lora:  # merged on a plain CPU copy: the trained model may be sharded
+                from peft import get_peft_model
+                from transformers import AutoModelForCausalLM
+
+                base_config = unwrapped.get_base_model().config
+                plain = get_peft_model(AutoModelForCausalLM.from_config(base_config, dtype=torch.float32),
+                                       unwrapped.peft_config["default"])
+                plain.load_state_dict({k: v.float() for k, v in state_dict.items()})
+                plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+            else:
+                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            config_file = tmp / "config.json"
+            if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
+                saved = json.loads(config_file.read_text())
+                saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
+                saved["use_cache"] = True
+                config_file.write_text(json.dumps(saved, indent=2) + "\n")
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        holder = [failure]
+        broadcast_object_list(holder)
+        failure = holder[0]
+    if failure is not None:
+        raise SaveError(f"writing the export {folder} failed: {failure}; the checkpoints are intact, "
+                        "so --resume auto writes it again")
+    return folder
+
+
+# ----------------------------------------------------------------------------------------- main
+@with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto")
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    cfg = parse_config(Config, argv)
+    accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
+    torch.set_float32_matmul_precision("high")
+
+    # Everything the user passed is checked before anything is written: model, tokenizer, data, LoRA targets.
+    tokenizer, model_config = load_tokenizer_and_config(cfg.model)
+    train_examples, val_examples, kind = load_examples(cfg, tokenizer)
+    train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
+        accelerator, Examples(train_examples), Examples(val_examples), batch_size=cfg.batch_size, seed=cfg.seed,
+        num_workers=cfg.num_workers, what="training examples", collate_fn=PadToLongest(tokenizer.pad_token_id))
+    model = load_model(cfg, accelerator, model_config)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_params = sum(p.numel() for p in model.parameters())
+    learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate, betas=(0.9, 0.95),
+                                  fused=accelerator.device.type == "cuda")
+    scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, cfg.max_steps // 2), cfg.max_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if cfg.lora_r:
+        keep_adapter_only_in_checkpoints(accelerator, model)
+
+    ckpt = CheckpointManager(
+        accelerator, cfg.output_dir, template="finetune_causal_lm", config=config_to_dict(cfg),
+        metric="val/loss", mode="min", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
+        may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "compile",
+                                           "gradient_checkpointing", "merge_lora"},
+        model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
+    )
+    state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
+    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
+    accelerator.print(
+        f"{cfg.model}: {n_params:,} parameters, {n_trained:,} trained "
+        f"({f'LoRA r={cfg.lora_r}' if cfg.lora_r else 'full fine-tuning'}); "
+        f"{len(train_examples)} training / {len(val_examples)} validation examples ({kind} data from "
+        f"{cfg.data_path}), {cfg.max_steps} optimizer steps ({batches_per_epoch} micro-batches per epoch), "
+        f"learning rate {learning_rate:g}"
+    )
+
+    def validate(record: bool = True) -> dict[str, float]:
+        metrics = evaluate(model, val_loader, accelerator)
+        say(accelerator, f"step {state.step}: val loss {metrics['val/loss']:.4f}, "
+                         f"perplexity {metrics['val/perplexity']:.2f} (completion tokens only)")
+        if record:  # not when a finished run is resumed: its evaluation is logged and saved already
+            tracker.log(metrics, step=state.step)
+            ckpt.save(state, metrics["val/loss"])  # and the best checkpoint, if it is the best so far
+        return metrics
+
+    if state.step == 0:  # the pretrained model's score, what fine-tuning improves (logged once over restarts)
+        at_start = evaluate(model, val_loader, accelerator)
+        say(accelerator, f"before fine-tuning: val loss {at_start['val/loss']:.4f}")
+        if accelerator.is_main_process and '"step": 0,' not in (tracker.metrics_path.read_text()
+                                                               if tracker.metrics_path.is_file() else ""):
+            tracker.log(at_start, step=0)
+    bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
+    session_steps, timed_tokens = 0, 0
+    metrics: dict[str, float] = {}
+    stopping = preempted = False
+    model.train()
+    interval_start = time.perf_counter()
+    while state.step < cfg.max_steps and not stopping:
+        train_loader.set_epoch(state.epoch)  # a different order every epoch, the same on every rank
+        skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
+            with accelerator.accumulate(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                labels = batch["labels"]
+                # mean over this micro-batch's completion tokens (F.cross_entropy ignores IGNORE labels)
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                       ignore_index=IGNORE)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
+                    grad_norm = accelerator.clip_grad_norm_(
+                        [p for p in model.parameters() if p.requires_grad], cfg.grad_clip or math.inf)
+                    if not torch.isfinite(grad_norm) and accelerator.scaler is None:
+                        raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
+                                             f"{ckpt.kept()}")
+                optimizer.step()  # skipped by accelerate until the accumulation window is complete
+                state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
+            state.batches_in_epoch += 1
+            if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
+                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+            state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            state.interval_batches += 1
+            timed_tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            state.step += 1
+            session_steps += 1
+            bar.update(1)
+            if state.step % cfg.log_every_steps == 0:
+                tokens_per_s = timed_tokens / (time.perf_counter() - interval_start)
+                logged = {"train/loss": state.interval_loss_sum / state.interval_batches,
+                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps,
+                          "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
+                tracker.log(logged, step=state.step)
+                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                state.interval_loss_sum, state.interval_batches = 0.0, 0
+                timed_tokens, interval_start = 0, time.perf_counter()
+            if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
+                metrics = validate()
+                timed_tokens, interval_start = 0, time.perf_counter()  # throughput counts training only
+            ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
+            preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
+            if state.step == cfg.max_steps:
+                break
+            if preempted or session_steps == cfg.stop_after_steps:
+                stopping = True
+                break
+    bar.close()
+
+    reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
+    if stopping:
+        ckpt.save(state)  # exactly where we are (a no-op if this step was just saved)
+        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
+    if state.step == cfg.max_steps:
+        if not metrics:  # resumed a finished run: report it again, log nothing twice
+            metrics = validate(record=False)
+        export = export_model(accelerator, model, tokenizer, cfg, Path(cfg.output_dir) / "model")
+        adapter = cfg.lora_r and not cfg.merge_lora
+        accelerator.print(f"exported to {export}: load it with "
+                          f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
+        tracker.summary(metrics | {"best/val_loss": state.best_metric})
+        if cfg.sample_tokens:
+            if cfg.prompt:
+                text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
+                                                     add_generation_prompt=True) if kind == "chat" else cfg.prompt
+                prompt_ids = tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
+            else:  # a validation example up to its first learned token
+                example = val_examples[0]
+                first = next((i for i, label in enumerate(example.labels) if label != IGNORE), 1)
+                prompt_ids = example.input_ids[:first]
+            sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
+            accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

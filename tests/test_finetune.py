@@ -1,0 +1,319 @@
+"""templates/finetune_causal_lm.py: loss masking, padding and chat rendering in-process; real `accelerate launch`
+runs of a tiny Llama-architecture model (scripts/make_tiny_model.py, written offline) on 1 process, 2 DDP and
+2 FSDP2 ranks, full and LoRA, on a task whose answer depends on the prompt (reverse a word); the export loads
+with from_pretrained in a plain process and gives the trained model's logits; bad input is one error line."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, clean_env, launch, load_template
+
+TEMPLATE = REPO / "templates" / "finetune_causal_lm.py"
+sys.path.insert(0, str(REPO / "scripts"))
+from make_tiny_model import reverse_task  # noqa: E402
+
+# Runs main() with export_model wrapped: before exporting, the (sharded) model's logits on the validation
+# examples are saved, for comparison with the export loaded by from_pretrained in a plain process.
+PROBE_WRAPPER = """
+import sys, torch
+sys.path.insert(0, {templates!r})
+import finetune_causal_lm as ft
+
+real_export = ft.export_model
+
+def export_with_probe(accelerator, model, tokenizer, cfg, folder):
+    train, val, kind = ft.load_examples(cfg, tokenizer)
+    batch = ft.PadToLongest(tokenizer.pad_token_id)([(e.input_ids, e.labels) for e in val[:6]])
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    model.train()
+    if accelerator.is_main_process:
+        torch.save({{"batch": batch, "logits": logits.float().cpu()}}, {out!r})
+    return real_export(accelerator, model, tokenizer, cfg, folder)
+
+ft.export_model = export_with_probe
+ft.main()
+"""
+
+# Loads an export the way a user would, with transformers (and peft for an adapter) only.
+PLAIN_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+export, base, probe_file = sys.argv[1:4]
+if base != "-":
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), export)
+else:
+    model = AutoModelForCausalLM.from_pretrained(export)
+probe = torch.load(probe_file)
+with torch.no_grad():
+    logits = model.eval()(input_ids=probe["batch"]["input_ids"], attention_mask=probe["batch"]["attention_mask"]).logits
+torch.save(logits.float(), probe_file + ".plain")
+"""
+
+
+def ft():
+    return load_template("finetune_causal_lm")
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+# --------------------------------------------------------------------------------------- unit tests
+def learned(tokenizer, ids, labels) -> list[str]:
+    """The learned tokens as text, one string per run of consecutive learned positions."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != -100:
+            assert label == token
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_prompt_completion_learns_only_the_completion_and_eos(tokenizer):
+    ids, labels = ft().encode_completion(tokenizer, "reverse abc =", " cba")
+    assert learned(tokenizer, ids, labels) == [" cba<|im_end|>"]
+    assert tokenizer.decode(ids) == "reverse abc = cba<|im_end|>"
+
+
+def test_chat_learns_only_assistant_messages_and_renders_like_the_template(tokenizer):
+    messages = [{"role": "system", "content": "You reverse words."}, {"role": "user", "content": "abc"},
+                {"role": "assistant", "content": "cba"}, {"role": "user", "content": "hg"},
+                {"role": "assistant", "content": "gh"}]
+    ids, labels = ft().encode_chat(tokenizer, messages)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    # each assistant turn with its end-of-turn; the role headers, system and user text stay context
+    assert learned(tokenizer, ids, labels) == ["cba<|im_end|>\n", "gh<|im_end|>\n"]
+
+
+def test_padding_changes_no_example_loss(tiny_model, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    module = ft()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    pairs = [module.encode_completion(tokenizer, e["prompt"], e["completion"]) for e in reverse_task(3)]
+    pairs[0] = module.encode_completion(tokenizer, "reverse abcdefgh abcdefgh =", " hgfedcba hgfedcba")
+    batch = module.PadToLongest(tokenizer.pad_token_id)(pairs)
+    longest = max(len(ids) for ids, _ in pairs)
+    assert batch["input_ids"].shape == (3, longest)
+    assert batch["attention_mask"].sum(1).tolist() == [len(ids) for ids, _ in pairs]
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()  # padding is never learned
+    with torch.no_grad():
+        padded = module.token_losses(model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits,
+                                     batch["labels"]).sum(1)
+        for row, (ids, labels) in enumerate(pairs):
+            alone = module.token_losses(model(input_ids=torch.tensor([ids])).logits, torch.tensor([labels])).sum()
+            assert torch.allclose(padded[row], alone, rtol=1e-5), (row, padded[row], alone)
+
+
+def test_validation_split_is_by_example_and_stable_when_data_grows(tmp_path, tokenizer):
+    module = ft()
+    cfg = module.Config(data_path=str(write_jsonl(tmp_path / "a.jsonl", reverse_task(200))), val_fraction=0.2)
+    train, val, kind = module.load_examples(cfg, tokenizer)
+    assert kind == "completion" and 20 <= len(val) <= 60 and not {e.key for e in train} & {e.key for e in val}
+    cfg.data_path = str(write_jsonl(tmp_path / "b.jsonl", reverse_task(200) + reverse_task(100, seed=1)))
+    _, val_grown, _ = module.load_examples(cfg, tokenizer)
+    assert {e.key for e in val} <= {e.key for e in val_grown}  # no example changed sides
+
+
+def test_plain_text_is_cut_into_windows_of_max_length_and_every_token_is_learned(tmp_path, tokenizer):
+    module = ft()
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for number in range(30):
+        (folder / f"doc{number}.txt").write_text(f"document {number}: " + "the quick brown fox " * 12)
+    train, val, kind = module.load_examples(module.Config(data_path=str(folder), max_length=16), tokenizer)
+    assert kind == "text" and train and val
+    for example in train + val:
+        assert 2 <= len(example.input_ids) <= 16 and example.labels == example.input_ids
+    document = [e for e in train + val if e.key.startswith("doc7.txt:")]
+    ids = [token for e in sorted(document, key=lambda e: int(e.key.split(":")[1])) for token in e.input_ids]
+    assert tokenizer.decode(ids) == "document 7: " + "the quick brown fox " * 12 + "<|im_end|>"  # nothing lost
+
+
+# ------------------------------------------------------------------------------------- real launches
+STEPS = ("--max_steps", "60", "--eval_every_steps", "30", "--batch_size", "16", "--warmup_steps", "5",
+         "--log_every_steps", "10", "--tracker", "none", "--sample_tokens", "6")
+RUNS = {  # name: (accelerate config, template options)
+    "single-full": ("cpu.yaml", ("--learning_rate", "3e-3", *STEPS)),
+    "single-lora-merged-chat": ("cpu.yaml", ("--learning_rate", "1e-2", "--lora_r", "8", "--lora_alpha", "16",
+                                             "--merge_lora", "true", "--chat_data", *STEPS)),
+    "ddp-full": ("cpu_ddp.yaml", ("--learning_rate", "3e-3", "--gradient_checkpointing", "true", *STEPS)),
+    "fsdp-full": ("fsdp.yaml", ("--learning_rate", "3e-3", *STEPS)),
+    "fsdp-lora": ("fsdp.yaml", ("--learning_rate", "1e-2", "--lora_r", "8", "--lora_target_modules",
+                                "[q_proj, v_proj]", "--max_steps", "20", "--eval_every_steps", "10", "--batch_size",
+                                "8", "--tracker", "none", "--sample_tokens", "4")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """Every launch of this module, two at a time; each test reads the ones it is about."""
+    root = tmp_path_factory.mktemp("finetune")
+    data = {"completion": write_jsonl(root / "reverse.jsonl", reverse_task(600)),
+            "chat": write_jsonl(root / "reverse_chat.jsonl", reverse_task(600, chat=True))}
+
+    def run(name):
+        config, args = RUNS[name]
+        chat = "--chat_data" in args
+        args = tuple(a for a in args if a != "--chat_data")
+        out, probe = root / name, root / f"{name}.probe"
+        wrapper = root / f"{name}_wrapper.py"
+        wrapper.write_text(PROBE_WRAPPER.format(templates=str(REPO / "templates"), out=str(probe)))
+        launcher = ("--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer") if config == "fsdp.yaml" else ()
+        result = launch(config, wrapper, "--model", str(tiny_model), "--data_path", str(data["chat" if chat else
+                        "completion"]), "--output_dir", str(out), *args, launcher_args=launcher, timeout=400,
+                        num_processes=None if config == "cpu.yaml" else 2)
+        return {"result": result, "out": out, "probe": probe}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(RUNS, pool.map(run, RUNS)))
+
+
+def finished(run) -> list[dict]:
+    result = run["result"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return [json.loads(line) for line in (run["out"] / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["single-full", "single-lora-merged-chat", "ddp-full", "fsdp-full"])
+def test_masked_validation_loss_falls_well_below_the_pretrained_models(runs, name):
+    logged = [r for r in finished(runs[name]) if "val/loss" in r]
+    assert [r["step"] for r in logged] == [0, 30, 60]  # before fine-tuning, then every --eval_every_steps
+    start, end = logged[0]["val/loss"], logged[-1]["val/loss"]
+    assert end < 0.65 * start, (start, end)
+    assert math.isclose(logged[-1]["val/perplexity"], math.exp(end), rel_tol=1e-6)
+    assert (runs[name]["out"] / "status.json").is_file() and "sample:\n" in runs[name]["result"].stdout
+
+
+def test_every_validation_token_counts_once_on_any_number_of_ranks(runs):
+    tokens = {name: [r["val/tokens"] for r in finished(runs[name]) if "val/tokens" in r]
+              for name in ("single-full", "ddp-full", "fsdp-full")}
+    assert tokens["ddp-full"] == tokens["single-full"] == tokens["fsdp-full"], tokens
+    # and the untrained model scores the same: rank 0's weights reached every FSDP shard (rotary buffers too)
+    at_start = {name: finished(runs[name])[0]["val/loss"] for name in ("single-full", "ddp-full", "fsdp-full")}
+    assert math.isclose(at_start["fsdp-full"], at_start["single-full"], rel_tol=1e-6), at_start
+    assert math.isclose(at_start["ddp-full"], at_start["single-full"], rel_tol=1e-6), at_start
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_export_loads_with_from_pretrained_in_a_plain_process_with_the_same_logits(runs, tiny_model, name):
+    finished(runs[name])
+    export = runs[name]["out"] / "model"
+    lora_adapter = "--lora_r" in RUNS[name][1] and "--merge_lora" not in RUNS[name][1]
+    assert (export / ("adapter_model.safetensors" if lora_adapter else "model.safetensors")).is_file()
+    assert (export / "tokenizer.json").is_file()
+    if not lora_adapter:
+        assert json.loads((export / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    plain = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(export), str(tiny_model) if lora_adapter else "-",
+                            str(runs[name]["probe"])], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    trained = torch.load(runs[name]["probe"])
+    mask = trained["batch"]["attention_mask"].bool()
+    difference = (torch.load(f"{runs[name]['probe']}.plain")[mask] - trained["logits"][mask]).abs().max().item()
+    assert difference < 1e-4, difference
+
+
+def test_lora_checkpoints_hold_the_adapter_and_its_optimizer_state_only(runs):
+    finished(runs["single-lora-merged-chat"])
+    from safetensors.torch import load_file
+
+    checkpoint = sorted((runs["single-lora-merged-chat"]["out"] / "checkpoints").glob("step_*"))[-1]
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    assert weights and all("lora_" in key for key in weights), sorted(weights)[:5]
+    optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(weights)
+
+
+def test_fsdp_lora_trains_and_exports_an_adapter_of_the_named_modules(runs):
+    logged = [r for r in finished(runs["fsdp-lora"]) if "val/loss" in r]
+    assert logged[-1]["val/loss"] < logged[0]["val/loss"]
+    adapter = json.loads((runs["fsdp-lora"]["out"] / "model" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"] and adapter["r"] == 8
+
+
+# ---------------------------------------------------------------------------------------- bad input
+BAD = {  # name: (options, data lines or None for the default task, the expected part of the one error line)
+    "model-missing": (("--model", "{tmp}/no_such_model"), None, "--model {tmp}/no_such_model: cannot load it"),
+    "not-a-causal-lm": (("--model", "{bert}"), None, "a 'distilbert' model is not a causal language model"),
+    "line-not-json": ((), ['{"prompt": "a", "completion": " b"}', "{oops"], "data.jsonl line 2: not JSON"),
+    "fields-missing": ((), ['{"question": "a", "answer": "b"}'],
+                       "data.jsonl line 1: needs 'prompt' and 'completion' strings, or a 'messages' list"),
+    "empty-completion": ((), ['{"prompt": "a", "completion": "  "}'], "line 1: empty completion: nothing to learn"),
+    "too-long": (("--max_length", "8"), None, "examples are longer than --max_length 8 (e.g. line 1 ("),
+    "chat-without-template": (("--model", "{no_template}"), ['{"messages": [{"role": "user", "content": "a"}, '
+                                                              '{"role": "assistant", "content": "b"}]}'],
+                              "chat messages, but the tokenizer of --model has no chat template"),
+    "lora-target-missing": (("--lora_r", "4", "--lora_target_modules", "[c_attn]"), None,
+                            "--lora_target_modules: the model has no module named c_attn (its linear layers: "),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_models(tiny_model, tmp_path_factory):
+    """A DistilBERT (an encoder, not a causal LM) and the tiny model without its chat template, written offline."""
+    import shutil
+
+    from transformers import DistilBertConfig, DistilBertModel
+
+    root = tmp_path_factory.mktemp("bad_models")
+    DistilBertModel(DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64,
+                                     vocab_size=100)).save_pretrained(root / "bert")
+    shutil.copytree(tiny_model, root / "no_template")
+    (root / "no_template" / "chat_template.jinja").unlink()
+    settings = json.loads((root / "no_template" / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (root / "no_template" / "tokenizer_config.json").write_text(json.dumps(settings))
+    return root
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_error_line_exit_2_and_nothing_written(case, tmp_path, tiny_model, bad_input_models,
+                                                                 fresh_accelerate, capsys):
+    options, lines, expected = BAD[case]
+    fill = {"tmp": str(tmp_path), "bert": str(bad_input_models / "bert"),
+            "no_template": str(bad_input_models / "no_template")}
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n" if lines else "".join(json.dumps(r) + "\n" for r in reverse_task(50)))
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_model), "--data_path", str(data), "--output_dir", str(out), "--tracker", "none",
+            *[o.format(**fill) for o in options]]
+    with pytest.raises(SystemExit) as stop:
+        ft().main(argv)
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected.format(**fill) in errors[0], errors
+    assert not out.exists()  # refused before anything was written
+
+
+def test_bad_input_run_as_a_program_prints_only_the_error_line(tmp_path, tiny_model):
+    """The real program, not main() in-process: stderr is the one line, no traceback, exit 2."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "a", "completion": ""}])
+    done = subprocess.run([sys.executable, str(TEMPLATE), "--model", str(tiny_model), "--data_path", str(data),
+                           "--output_dir", str(tmp_path / "out"), "--tracker", "none"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [f"error: {data} line 1: empty completion: nothing to learn"]
+    assert not (tmp_path / "out").exists()
