@@ -33,13 +33,12 @@ from torch.utils.data import Dataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from common.accelerator import peak_memory_gb, start_run  # noqa: E402
+from common.accelerator import end_run, peak_memory_gb, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, SaveError, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
-from common.preemption import end_run  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored a tied lm_head.weight once; loading re-ties it.
