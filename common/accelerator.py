@@ -12,7 +12,9 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import accelerate.accelerator
 import accelerate.optimizer
@@ -325,24 +327,28 @@ class Throughput:
     (`time/data_wait`), the time per optimizer step, the peak memory, and MFU where the device's peak is
     known. The loop iterates through `timed(batches)`, which counts the batches and times each wait.
 
-    A loop that waits for data more than `DATA_WAIT_WARNING` of the time gets one warning naming
-    --num_workers: the GPU idles while the loader works (the practitioner's "under 80% busy" check).
+    A loop that waits for data more than `DATA_WAIT_WARNING` of the time in two log intervals in a row
+    gets one warning naming --num_workers: the GPU idles while the loader works (the practitioner's
+    "under 80% busy" check; one interval is not enough: an epoch's first batch always waits).
+
+    `items_per_micro_batch` is a number, or a function of the batch giving a count on the device (the
+    non-padding tokens of a padded batch, say): it is read on the host only at the reading.
     """
 
     DATA_WAIT_WARNING = 0.1
 
-    def __init__(self, accelerator: Accelerator, unit: str, items_per_micro_batch: int, num_workers: int,
-                 flops_per_item: float = 0.0, peak_tflops: float = 0.0):
+    def __init__(self, accelerator: Accelerator, unit: str, items_per_micro_batch: int | Callable[[Any], torch.Tensor],
+                 num_workers: int, flops_per_item: float = 0.0, peak_tflops: float = 0.0):
         self.device, self.processes = accelerator.device, accelerator.num_processes
-        self.unit, self.items = unit, items_per_micro_batch * accelerator.num_processes  # over all processes
+        self.unit, self.items_per_micro_batch = unit, items_per_micro_batch
         self.accumulation = accelerator.gradient_accumulation_steps
         self.flops_per_item, self.peak_tflops = flops_per_item, device_peak_tflops(accelerator.device, peak_tflops)
-        self.num_workers, self.warned = num_workers, False
+        self.num_workers, self.warned, self.slow_intervals = num_workers, False, 0
         self.say = functools.partial(say, accelerator)
         self.restart()
 
     def restart(self) -> None:
-        self.batches, self.waited, self.start = 0, 0.0, time.perf_counter()
+        self.batches, self.items, self.waited, self.start = 0, 0, 0.0, time.perf_counter()
 
     def timed(self, batches):
         """`batches`, counting each one and timing how long the loop waits for it."""
@@ -355,19 +361,22 @@ class Throughput:
                 return
             self.waited += time.perf_counter() - asked
             self.batches += 1
+            count = self.items_per_micro_batch
+            self.items += count(batch) if callable(count) else count  # a device tensor stays on the device
             yield batch
 
     def read(self) -> dict[str, float]:
         """The figures since the last reading (see the class); the next interval starts."""
         elapsed = time.perf_counter() - self.start
-        per_s = self.batches * self.items / elapsed
+        per_s = float(self.items) * self.processes / elapsed  # every process trains as many
         figures = {f"{self.unit}_per_s": per_s, "time/data_wait": self.waited / elapsed,
                    "time/step_ms": 1000 * elapsed * self.accumulation / max(1, self.batches),
                    "peak_memory_gb": peak_memory_gb(self.device)}
         if self.flops_per_item:
             mfu = model_flops_utilization(self.flops_per_item * per_s, self.processes, self.peak_tflops)
             figures |= {"mfu": mfu} if mfu is not None else {}
-        if figures["time/data_wait"] > self.DATA_WAIT_WARNING and not self.warned:
+        self.slow_intervals = self.slow_intervals + 1 if figures["time/data_wait"] > self.DATA_WAIT_WARNING else 0
+        if self.slow_intervals == 2 and not self.warned:
             self.warned = True
             self.say(f"warning: training waited for data {figures['time/data_wait']:.0%} of the time: raise "
                      f"--num_workers (now {self.num_workers}) or make loading cheaper (bench/data_loading.py)")
