@@ -273,10 +273,14 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
 
 
 def plain_logged(losses: list[float], steps: list[int]) -> dict[int, float]:
-    """The plain loop's per-step losses averaged over the same intervals the template logs."""
+    """The plain loop's per-step losses averaged over the same intervals the template logs (summed in
+    float32, as the template sums its detached losses on the device)."""
     out, previous = {}, 0
     for step in steps:
-        out[step] = sum(losses[previous:step]) / (step - previous)
+        total = np.float32(0.0)
+        for loss in losses[previous:step]:
+            total = np.float32(total + np.float32(loss))
+        out[step] = float(total) / (step - previous)
         previous = step
     return out
 

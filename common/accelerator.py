@@ -12,7 +12,9 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import accelerate.accelerator
 import accelerate.optimizer
@@ -32,7 +34,7 @@ from accelerate.utils import (
 from common.checkpoint import check_output_dir
 from common.config import MIXED_PRECISION_CHOICES
 from common.errors import EXIT_PREEMPTED, UsageError
-from common.tracking import sweep_run_dir
+from common.tracking import say, sweep_run_dir
 
 if dist.is_available():
     # Imported before any process group exists. Its functions take `group=group.WORLD` as a default argument,
@@ -141,6 +143,7 @@ class PreemptionWatcher:
         self.num_processes = accelerator.num_processes
         self.device = accelerator.device
         self.received: int | None = None
+        self._agreed: int | None = None  # the stop flag check_step agreed on, for the next stop_requested()
         for signum in signals:
             signal.signal(signum, self._on_signal)
 
@@ -148,16 +151,37 @@ class PreemptionWatcher:
         if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
             self.received = signum
 
+    def check_step(self, grad_norm: torch.Tensor) -> bool:
+        """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange.
+
+        Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so that
+        non-finite gradients stop the run before they are applied. One small all-reduce and one host
+        sync for both (a sync drains a GPU's launch queue: one per step at most); the `stop_requested()`
+        that follows at this step answers from it without another collective.
+        """
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        flags = torch.zeros(2, dtype=torch.int32, device=self.device)  # filled on the device: no host copy
+        flags[0] = ~torch.isfinite(grad_norm.detach().reshape(()))
+        flags[1] = _RANK.get(self.received, 1)
+        if self.num_processes > 1 and dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the norm is the same everywhere; the signals are not
+        non_finite, self._agreed = flags.tolist()
+        return not non_finite
+
     def stop_requested(self) -> bool:
         """True on every rank if any rank received a stop signal. Call it on all ranks at the same step.
 
+        After `check_step` at this step it answers from that agreement; otherwise it agrees itself.
         Afterwards every rank holds the same `received` signal, also the ranks that got none.
         """
-        local = _RANK.get(self.received, 1)
-        if self.num_processes > 1 and dist.is_initialized():
-            flag = torch.tensor([local], device=self.device, dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            local = int(flag.item())
+        local, self._agreed = self._agreed, None
+        if local is None:
+            local = _RANK.get(self.received, 1)
+            if self.num_processes > 1 and dist.is_initialized():
+                flag = torch.tensor([local], device=self.device, dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                local = int(flag.item())
         if local and self.received is None:  # another rank's signal: adopt it, so every rank ends alike
             self.received = next(signum for signum, rank in _RANK.items() if rank == local)
         return bool(local)
@@ -298,28 +322,63 @@ def model_flops_utilization(flops_per_s: float, devices: int, peak_tflops: float
 
 
 class Throughput:
-    """What the log says about speed: items per second over the micro-batches trained since the last
-    reading (`restart` leaves evaluation out), the peak memory, and MFU where the device's peak is known."""
+    """What the log says about speed, over the micro-batches trained since the last reading (`restart`
+    leaves evaluation out): items per second, the share of the time spent waiting for the next batch
+    (`time/data_wait`), the time per optimizer step, the peak memory, and MFU where the device's peak is
+    known. The loop iterates through `timed(batches)`, which counts the batches and times each wait.
 
-    def __init__(self, accelerator: Accelerator, unit: str, items_per_micro_batch: int, flops_per_item: float = 0.0,
-                 peak_tflops: float = 0.0):
+    A loop that waits for data more than `DATA_WAIT_WARNING` of the time in two log intervals in a row
+    gets one warning naming --num_workers: the GPU idles while the loader works (the practitioner's
+    "under 80% busy" check; one interval is not enough: an epoch's first batch always waits).
+
+    `items_per_micro_batch` is a number, or a function of the batch giving a count on the device (the
+    non-padding tokens of a padded batch, say): it is read on the host only at the reading.
+    """
+
+    DATA_WAIT_WARNING = 0.1
+
+    def __init__(self, accelerator: Accelerator, unit: str, items_per_micro_batch: int | Callable[[Any], torch.Tensor],
+                 num_workers: int, flops_per_item: float = 0.0, peak_tflops: float = 0.0):
         self.device, self.processes = accelerator.device, accelerator.num_processes
-        self.unit, self.items = unit, items_per_micro_batch * accelerator.num_processes  # over all processes
+        self.unit, self.items_per_micro_batch = unit, items_per_micro_batch
+        self.accumulation = accelerator.gradient_accumulation_steps
         self.flops_per_item, self.peak_tflops = flops_per_item, device_peak_tflops(accelerator.device, peak_tflops)
+        self.num_workers, self.warned, self.slow_intervals = num_workers, False, 0
+        self.say = functools.partial(say, accelerator)
         self.restart()
 
     def restart(self) -> None:
-        self.batches, self.start = 0, time.perf_counter()
+        self.batches, self.items, self.waited, self.start = 0, 0, 0.0, time.perf_counter()
 
-    def batch(self) -> None:
-        self.batches += 1
+    def timed(self, batches):
+        """`batches`, counting each one and timing how long the loop waits for it."""
+        iterator = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - asked
+            self.batches += 1
+            count = self.items_per_micro_batch
+            self.items += count(batch) if callable(count) else count  # a device tensor stays on the device
+            yield batch
 
     def read(self) -> dict[str, float]:
-        """`<unit>_per_s`, `peak_memory_gb` and `mfu` (if known) since the last reading; the next interval starts."""
-        per_s = self.batches * self.items / (time.perf_counter() - self.start)
-        figures = {f"{self.unit}_per_s": per_s, "peak_memory_gb": peak_memory_gb(self.device)}
+        """The figures since the last reading (see the class); the next interval starts."""
+        elapsed = time.perf_counter() - self.start
+        per_s = float(self.items) * self.processes / elapsed  # every process trains as many
+        figures = {f"{self.unit}_per_s": per_s, "time/data_wait": self.waited / elapsed,
+                   "time/step_ms": 1000 * elapsed * self.accumulation / max(1, self.batches),
+                   "peak_memory_gb": peak_memory_gb(self.device)}
         if self.flops_per_item:
             mfu = model_flops_utilization(self.flops_per_item * per_s, self.processes, self.peak_tflops)
             figures |= {"mfu": mfu} if mfu is not None else {}
+        self.slow_intervals = self.slow_intervals + 1 if figures["time/data_wait"] > self.DATA_WAIT_WARNING else 0
+        if self.slow_intervals == 2 and not self.warned:
+            self.warned = True
+            self.say(f"warning: training waited for data {figures['time/data_wait']:.0%} of the time: raise "
+                     f"--num_workers (now {self.num_workers}) or make loading cheaper (bench/data_loading.py)")
         self.restart()
         return figures

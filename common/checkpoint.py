@@ -62,7 +62,8 @@ class TrainingState:
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
     # The training loss of the log interval in progress (sum over its micro-batches, and their count), so
     # the first value logged after a resume is the one an uninterrupted run logs, whatever the intervals.
-    interval_loss_sum: float = 0.0
+    # The loop adds detached losses on the device (a tensor): the host reads it when it logs or saves.
+    interval_loss_sum: float | torch.Tensor = 0.0
     interval_batches: int = 0
 
 
@@ -301,7 +302,8 @@ class CheckpointManager:
 
     def _publish(self, tmp: Path, final: Path, state: TrainingState, twin: Path | None) -> None:
         """`progress.json` last, everything synced, then one rename: a folder with a final name is complete."""
-        meta = dataclasses.asdict(state) | {
+        meta = {name: float(value) if isinstance(value, torch.Tensor) else value  # the loss sum: exact in a float
+                for name, value in vars(state).items()} | {
             "template": self.template,
             "world_size": self.accelerator.num_processes,
             "metric": self.metric,

@@ -54,6 +54,7 @@ MODES = TR + "test_train_and_eval_modes[{}]"
 STEP_ORDER = TR + "test_step_order_zero_grad_backward_clip_step[{}]"
 CLIPPED = TR + "test_the_optimizer_sees_gradients_clipped_to_grad_clip[{}]"
 LOGGED_LOSS = TR + "test_logged_training_loss_is_the_float_mean_of_its_micro_batches[{}]"
+NO_GRAPH = TR + "test_no_autograd_graph_survives_the_step[{}]"
 NON_FINITE = TR + "test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint[{}]"
 WORKERS = DR + "test_every_loader_worker_on_every_rank_draws_different_numbers[{}]"
 MAIN_ONLY = DR + "test_export_and_progress_bar_on_the_main_process_only[{}]"
@@ -167,8 +168,8 @@ MUTATIONS = [
     mutation("no-clipping", "loop: clipping", LM, CLIP, CLIP.replace("cfg.grad_clip or math.inf", "math.inf"),
              tests=CLIPPED.format("fp32-" + lm)),
     mutation("loss-accumulated-with-graph", "loop: loss.item()", LM,
-             "state.interval_loss_sum += loss.item()", "state.interval_loss_sum += loss",
-             tests=LOGGED_LOSS.format(lm)),
+             "state.interval_loss_sum += loss.detach()", "state.interval_loss_sum += loss",
+             tests=NO_GRAPH.format(lm)),
     mutation("no-accelerator-accumulate", "loop: accelerator.accumulate", IMAGE,
              "            with accelerator.accumulate(model):", "            if True:",
              tests=STEP_ORDER.format("2-" + image)),
@@ -177,10 +178,12 @@ MUTATIONS = [
              'return "bf16" if has_bf16 else "fp16"', 'return "fp16"',
              tests=TA + "test_resolve_mixed_precision"),
     mutation("non-finite-loss-trained-on", "mixed precision: non-finite stops", LM,
-             "if not torch.isfinite(grad_norm) and accelerator.scaler is None:", "if False:",
+             "if not preemption.check_step(grad_norm) and accelerator.scaler is None:",
+             "if not preemption.check_step(grad_norm) and False:",
              tests=NON_FINITE.format(lm)),
     mutation("fp16-overflow-stops-the-run", "mixed precision: fp16 overflow skipped", IMAGE,
-             "if not torch.isfinite(grad_norm) and accelerator.scaler is None:", "if not torch.isfinite(grad_norm):",
+             "if not preemption.check_step(grad_norm) and accelerator.scaler is None:",
+             "if not preemption.check_step(grad_norm):",
              tests=TR + "test_fp16_overflow_is_skipped_by_the_scaler_not_fatal[image_classification]"),
     # --- checkpoints
     mutation("rng-reseeded-after-resume", "checkpoints: whole state (RNG)", CHECKPOINT, (

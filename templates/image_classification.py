@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from common.accelerator import end_run, start_run  # noqa: E402
+from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator.print(f"{len(data.train)} training / {len(data.val)} validation images, {total_steps} optimizer steps, "
                       f"{sum(p.numel() for p in model.parameters()):,} parameters, learning rate {learning_rate:g}")
 
+    throughput = Throughput(accelerator, "images", cfg.batch_size, num_workers)  # speed and data wait, logged
     bar = progress_bar(accelerator, total_steps, initial=state.step)
     session_steps = 0
     metrics: dict[str, float] = {}
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_loader.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
         skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for images, labels in batches:
+        for images, labels in throughput.timed(batches):
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
             with accelerator.accumulate(model):
                 if cfg.augment:
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-                    if not torch.isfinite(grad_norm) and accelerator.scaler is None:
+                    # One host sync per step: finite gradients? any rank's stop signal? (every rank alike)
+                    if not preemption.check_step(grad_norm) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             state.batches_in_epoch += 1
             if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
                 state.epoch, state.batches_in_epoch = epoch + 1, 0
-            state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            state.interval_loss_sum += loss.detach()  # no graph kept; on the device, read when logged
             state.interval_batches += 1
             if not accelerator.sync_gradients:
                 continue
@@ -288,11 +290,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                train_loss = state.interval_loss_sum / state.interval_batches
-                tracker.log({"train/loss": train_loss, "lr": scheduler.get_last_lr()[0],
-                             "train/skipped_steps": state.skipped_steps,
-                             "epoch": state.epoch + state.batches_in_epoch / batches_per_epoch}, step=state.step)
-                bar.set_postfix(loss=f"{train_loss:.4f}")
+                logged = {"train/loss": float(state.interval_loss_sum) / state.interval_batches,  # read here
+                          "lr": scheduler.get_last_lr()[0], **throughput.read(),
+                          "train/skipped_steps": state.skipped_steps,
+                          "epoch": state.epoch + state.batches_in_epoch / batches_per_epoch}
+                tracker.log(logged, step=state.step)
+                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", data_wait=f"{logged['time/data_wait']:.0%}")
                 state.interval_loss_sum, state.interval_batches = 0.0, 0
             if state.batches_in_epoch == 0:  # the epoch's last step: evaluate, then checkpoint with the result
                 metrics = evaluate(model, val_loader, accelerator)
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 say(accelerator, f"epoch {state.epoch}/{cfg.epochs}: val loss {metrics['val/loss']:.4f}, "
                                  f"val accuracy {metrics['val/accuracy']:.2%}")
                 ckpt.save(state, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
+                throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if preempted or session_steps == cfg.stop_after_steps:

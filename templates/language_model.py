@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
-    throughput = Throughput(accelerator, "tokens", cfg.batch_size * cfg.block_size, flops_per_token, cfg.peak_tflops)
+    throughput = Throughput(accelerator, "tokens", cfg.batch_size * cfg.block_size, max(0, cfg.num_workers),
+                            flops_per_token, cfg.peak_tflops)  # speed, data wait and MFU, in each log line
     accelerator.print(
         f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
         f"{len(val_set) * cfg.block_size:,} validation tokens, "
@@ -359,14 +360,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_loader.set_epoch(state.epoch)  # a different order every epoch, the same on every rank
         skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for inputs, targets in batches:
+        for inputs, targets in throughput.timed(batches):
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-                    if not torch.isfinite(grad_norm) and accelerator.scaler is None:
+                    # One host sync per step: finite gradients? any rank's stop signal? (every rank alike)
+                    if not preemption.check_step(grad_norm) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
@@ -375,9 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             state.batches_in_epoch += 1
             if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-            state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            state.interval_loss_sum += loss.detach()  # no graph kept; on the device, read when logged
             state.interval_batches += 1
-            throughput.batch()
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -385,10 +386,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                logged = {"train/loss": state.interval_loss_sum / state.interval_batches, **throughput.read(),
+                logged = {"train/loss": float(state.interval_loss_sum) / state.interval_batches, **throughput.read(),
                           "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps}
                 tracker.log(logged, step=state.step)
-                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}")
+                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}",
+                                data_wait=f"{logged['time/data_wait']:.0%}")
                 state.interval_loss_sum, state.interval_batches = 0.0, 0
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()

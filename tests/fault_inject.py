@@ -112,10 +112,6 @@ def step(self, *args, **kwargs):
     if ACTS and not calls["fired"] and global_step() == AT:
         if FAULT == "kill":
             die()
-        elif FAULT in ("signal", "signal_launcher"):
-            calls["fired"] = True
-            target = os.getpid() if FAULT == "signal" else os.getppid()
-            os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
         elif FAULT == "stop":
             calls["fired"] = True
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -126,6 +122,20 @@ def step(self, *args, **kwargs):
 
 
 torch.optim.AdamW.step = step
+real_clip = Accelerator.clip_grad_norm_
+
+
+def clip_grad_norm_(self, *args, **kwargs):
+    # A stop signal arrives during the step (here: after its backward passes, before the optimizer step). The
+    # ranks agree on stop signals in the step's check before the optimizer step, so they stop after this one.
+    if ACTS and not calls["fired"] and FAULT in ("signal", "signal_launcher") and global_step() == AT:
+        calls["fired"] = True
+        target = os.getpid() if FAULT == "signal" else os.getppid()
+        os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
+    return real_clip(self, *args, **kwargs)
+
+
+Accelerator.clip_grad_norm_ = clip_grad_norm_
 
 # --- checkpoint saves
 real_save_state = Accelerator.save_state

@@ -136,16 +136,32 @@ def test_peak_flops_by_device_name(monkeypatch, name, peak):
     assert device_peak_tflops(torch.device("cpu"), 0.0) is None
 
 
-def test_throughput_counts_items_of_all_processes_and_gives_mfu_only_with_a_peak(monkeypatch):
-    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=2)
-    clock = itertools.chain([100.0, 102.0, 102.0], itertools.count(103.0))
+def test_throughput_counts_items_of_all_processes_and_gives_mfu_only_with_a_peak(monkeypatch, capsys):
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=2, gradient_accumulation_steps=2,
+                                  is_main_process=True)
+    clock = itertools.chain([100.0, 100.5, 100.75, 101.0, 101.5, 101.75, 102.0], itertools.count(103.0))
     monkeypatch.setattr(accel_module.time, "perf_counter", lambda: next(clock))
-    meter = Throughput(accelerator, "tokens", 1000, flops_per_item=6e6, peak_tflops=1.0)  # starts at 100 s
-    for _ in range(4):
-        meter.batch()
-    figures = meter.read()  # at 102 s: 4 micro-batches of 1000 tokens on each of 2 processes in 2 s
-    assert figures["tokens_per_s"] == 4000.0
-    assert figures["mfu"] == pytest.approx(4000 * 6e6 / (2 * 1e12))
+    meter = Throughput(accelerator, "tokens", 1000, 3, flops_per_item=6e6, peak_tflops=1.0)  # starts at 100 s
+    for _ in meter.timed(range(2)):  # waits 100.5-100.75 and 101-101.5 s for its two micro-batches
+        pass
+    figures = meter.read()  # at 102 s: 2 micro-batches of 1000 tokens on each of 2 processes in 2 s
+    assert figures["tokens_per_s"] == 2000.0
+    assert figures["time/data_wait"] == pytest.approx(0.75 / 2)
+    assert figures["time/step_ms"] == pytest.approx(2000.0)  # one optimizer step of 2 micro-batches
+    assert figures["mfu"] == pytest.approx(2000 * 6e6 / (2 * 1e12))
     assert figures["peak_memory_gb"] > 0
-    assert meter.batches == 0  # the next interval started at the reading
-    assert set(Throughput(accelerator, "images", 10).read()) == {"images_per_s", "peak_memory_gb"}  # no peak, no MFU
+    assert meter.batches == 0 and meter.waited == 0  # the next interval started at the reading
+    assert "waited for data" not in capsys.readouterr().out  # one slow interval: an epoch's start, say
+    next(meter.timed(range(1)))  # 103-104 s waited, read at 106 s: a second slow interval in a row
+    meter.read()
+    assert "waited for data 33% of the time: raise --num_workers (now 3)" in capsys.readouterr().out
+    for _ in range(2):
+        next(meter.timed(range(1)))
+        meter.read()
+    assert "waited for data" not in capsys.readouterr().out  # the warning comes once
+    tokens = Throughput(accelerator, "tokens", lambda batch: torch.tensor(batch).sum(), 0)
+    for _ in tokens.timed([[1, 2], [3, 4]]):  # counted on the device: 10 tokens per process
+        pass
+    assert tokens.items.item() == 10 and tokens.read()["tokens_per_s"] > 0
+    assert set(Throughput(accelerator, "images", 10, 0).read()) == {"images_per_s", "time/data_wait", "time/step_ms",
+                                                                    "peak_memory_gb"}  # no peak, no MFU
