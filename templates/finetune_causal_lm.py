@@ -22,7 +22,6 @@ import math
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch.utils.data import Dataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
-from common.accelerator import end_run, peak_memory_gb, start_run  # noqa: E402
+from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
@@ -482,17 +481,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if accelerator.is_main_process and '"step": 0,' not in (tracker.metrics_path.read_text()
                                                                if tracker.metrics_path.is_file() else ""):
             tracker.log(at_start, step=0)
+    # Speed (non-padding tokens, counted on the device), data wait and step time, in each log line
+    throughput = Throughput(accelerator, "tokens", lambda batch: batch["attention_mask"].sum(), cfg.num_workers)
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
-    session_steps, timed_tokens = 0, 0
+    session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
     model.train()
-    interval_start = time.perf_counter()
+    throughput.restart()
     while state.step < cfg.max_steps and not stopping:
         train_loader.set_epoch(state.epoch)  # a different order every epoch, the same on every rank
         skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for batch in batches:
+        for batch in throughput.timed(batches):
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
             with accelerator.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -504,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
                     grad_norm = accelerator.clip_grad_norm_(
                         [p for p in model.parameters() if p.requires_grad], cfg.grad_clip or math.inf)
-                    if not torch.isfinite(grad_norm) and accelerator.scaler is None:
+                    # One host sync per step: finite gradients? any rank's stop signal? (every rank alike)
+                    if not preemption.check_step(grad_norm) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
@@ -512,9 +514,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             state.batches_in_epoch += 1
             if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-            state.interval_loss_sum += loss.item()  # kept in checkpoints: the logged mean survives a resume
+            state.interval_loss_sum += loss.detach()  # no graph kept; on the device, read when logged
             state.interval_batches += 1
-            timed_tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -522,17 +523,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                tokens_per_s = timed_tokens / (time.perf_counter() - interval_start)
-                logged = {"train/loss": state.interval_loss_sum / state.interval_batches,
-                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps,
-                          "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(accelerator.device)}
+                logged = {"train/loss": float(state.interval_loss_sum) / state.interval_batches, **throughput.read(),
+                          "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps}
                 tracker.log(logged, step=state.step)
-                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}",
+                                data_wait=f"{logged['time/data_wait']:.0%}")
                 state.interval_loss_sum, state.interval_batches = 0.0, 0
-                timed_tokens, interval_start = 0, time.perf_counter()
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
-                timed_tokens, interval_start = 0, time.perf_counter()  # throughput counts training only
+                throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
             if state.step == cfg.max_steps:

@@ -161,3 +161,63 @@ def tiny_model(tmp_path_factory) -> Path:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.make_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny")
+
+
+# --- host syncs ----------------------------------------------------------------------------------
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+def host_syncs_per_step(monkeypatch, libraries: tuple[str, ...] = ()) -> list[dict]:
+    """Record every read of a tensor's value on the host while a template trains in-process, per optimizer
+    step: a list of windows ({"syncs": [...], "busy": bool}), each closed by AdamW.step; "busy" when the
+    window evaluated or saved a checkpoint. On a GPU each such read waits for the device. Reads inside
+    torch and the named `libraries` (module names) are not the template's and are left out."""
+    import functools
+
+    import torch
+    from accelerate import Accelerator
+
+    skipped = tuple(str(Path(importlib.import_module(name).__file__).parent) for name in ("torch", *libraries))
+    windows: list[dict] = [{"syncs": [], "busy": False}]
+    for name in HOST_SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(tensor, *a, _original=original, _name=name, **k):
+            caller = sys._getframe(1)
+            # torch's own host-side reads (the sampler's indices, a CPU optimizer's step counters) are on the
+            # host on a GPU too; the templates, common/ and accelerate are where device values get read.
+            if not caller.f_code.co_filename.startswith(skipped):
+                windows[-1]["syncs"].append(f"{_name} in {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+            return _original(tensor, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def marking(owner, name):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*a, **k):
+            windows[-1]["busy"] = True  # evaluation, checkpoint or export: not an ordinary step
+            return original(*a, **k)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    marking(Accelerator, "gather_for_metrics")
+    marking(Accelerator, "save_state")
+    real_step = torch.optim.AdamW.step
+
+    @functools.wraps(real_step)
+    def step(*a, **k):
+        result = real_step(*a, **k)
+        windows.append({"syncs": [], "busy": False})
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return windows
+
+
+def assert_one_host_sync_per_ordinary_step(windows: list[dict]) -> None:
+    # The window before the first step also holds the start-up; the one after the last, the end.
+    ordinary = [w["syncs"] for w in windows[1:-1] if not w["busy"]]
+    assert len(ordinary) >= 2, f"too few ordinary steps to judge: {len(windows)} windows"
+    assert max(len(syncs) for syncs in ordinary) <= 1, [syncs for syncs in ordinary if len(syncs) > 1][:3]

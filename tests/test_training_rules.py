@@ -12,7 +12,6 @@ import functools
 import itertools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from conftest import REPO, load_template
+from conftest import REPO, assert_one_host_sync_per_ordinary_step, host_syncs_per_step, load_template
 from torch.utils.data import Dataset, Subset
 
 import common.accelerator as accelerator_module
@@ -613,10 +612,6 @@ def test_fp16_overflow_is_skipped_by_the_scaler_not_fatal(template, tmp_path, mo
 
 # --- host syncs ----------------------------------------------------------------------------------
 
-SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
-TORCH_DIR = str(Path(torch.__file__).parent)
-
-
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_at_most_one_host_sync_per_optimizer_step(template, accumulation, tmp_path, monkeypatch, fresh_accelerate):
@@ -624,51 +619,13 @@ def test_at_most_one_host_sync_per_optimizer_step(template, accumulation, tmp_pa
     log, evaluate or checkpoint, an optimizer step may read one: the fused finiteness / stop-signal check."""
     module = load_template(template)
     _, args = TEMPLATES[template]
-    windows: list[dict] = [{"syncs": [], "busy": False}]  # one per optimizer step, closed by AdamW.step
-
-    for name in SYNCS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(tensor, *a, _original=original, _name=name, **k):
-            caller = sys._getframe(1).f_code.co_filename
-            # torch's own host-side reads (the sampler's indices, a CPU optimizer's step counters) are on the
-            # host on a GPU too; the loop's code, common/ and accelerate are where device values get read.
-            if not caller.startswith(TORCH_DIR):
-                windows[-1]["syncs"].append(f"{_name} in {Path(caller).name}:{sys._getframe(1).f_lineno}")
-            return _original(tensor, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-
-    def marking(owner, name):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapper(*a, **k):
-            windows[-1]["busy"] = True  # evaluation, checkpoint or export: not an ordinary step
-            return original(*a, **k)
-
-        monkeypatch.setattr(owner, name, wrapper)
-
-    marking(Accelerator, "gather_for_metrics")
-    marking(Accelerator, "save_state")
-    real_step = torch.optim.AdamW.step
-
-    @functools.wraps(real_step)
-    def step(*a, **k):
-        result = real_step(*a, **k)
-        windows.append({"syncs": [], "busy": False})
-        return result
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    windows = host_syncs_per_step(monkeypatch)
     quiet = ["--log_every_steps", "1000", "--checkpoint_every_steps", "0"]
     quiet += ["--eval_every_steps", "0"] if template == "language_model" else []
     module.main([*args, *quiet, "--output_dir", str(tmp_path / "run"), "--tracker", "none", "--resume", "none",
                  "--gradient_accumulation_steps", str(accumulation)])
 
-    # The window before the first step also holds the start-up; the one after the last, the end.
-    ordinary = [w["syncs"] for w in windows[1:-1] if not w["busy"]]
-    assert len(ordinary) >= 2, f"too few ordinary steps to judge: {len(windows)} windows"
-    assert max(len(syncs) for syncs in ordinary) <= 1, [syncs for syncs in ordinary if len(syncs) > 1][:3]
+    assert_one_host_sync_per_ordinary_step(windows)
 
 
 # --- where the time goes ---------------------------------------------------------------------------
