@@ -12,6 +12,7 @@ from accelerate.commands.config.config_args import ClusterConfig, load_config_fr
 from accelerate.utils import DistributedType
 
 from conftest import CONFIGS, REPO, free_port, launch, load_template
+from helpers import read_metrics
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
@@ -117,7 +118,7 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
     # One set of outputs: one run.json, each metric logged once, checkpoints holding both ranks' state.
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors", "run.json",
                                                    "status.json"]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     assert [(r["step"], r["epoch"]) for r in records if "val/accuracy" in r] == [(11, 1), (22, 2)]
     assert [r["val/samples"] for r in records if "val/accuracy" in r] == [359, 359]
     kinds = [(r["step"], "val/accuracy" in r) for r in records]

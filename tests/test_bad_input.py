@@ -11,7 +11,6 @@ README's figure.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import re
@@ -30,6 +29,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clean_env, launch, load_template
+from helpers import snapshot
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -152,12 +152,6 @@ CASES = {
     "search/missing-accelerate-config": Case("search", ("--sweep", "{data}/missing_config_sweep.yaml"),
                                              "the command's --config_file accelerate_configs/no_such_config.yaml does not exist"),
 }
-
-
-def snapshot(root: Path) -> dict[str, tuple]:
-    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns,
-                                       hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None)
-            for p in sorted(root.rglob("*"))}
 
 
 def write_data(data: Path) -> None:

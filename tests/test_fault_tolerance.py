@@ -14,7 +14,6 @@ by one fixture, two at a time, so the waits of one overlap the work of another.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
+from helpers import read_metrics, snapshot, write_tiny_corpus
 from common.errors import read_status
 
 IMAGE = REPO / "templates" / "image_classification.py"
@@ -102,12 +102,6 @@ def cells_with(*faults: str) -> list[str]:
     return [name for name, cell in CELLS.items() if any(e.fault in faults for e in cell.events)]
 
 
-def tiny_text(lines: int = 380) -> str:
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
-    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "\n" for _ in range(lines))
-
-
 # ------------------------------------------------------------------------------------- running
 @dataclass
 class Launch:
@@ -116,7 +110,7 @@ class Launch:
     saves: dict[str, dict]  # checkpoints published in this launch, as they were right after the save
     checkpoints: list[str]  # what the checkpoint folder held afterwards
     progress: dict[str, int]  # and the step each complete one recorded
-    digests: dict[str, dict]  # and each complete one's files (size, mtime, sha256)
+    digests: dict[str, dict]  # and each complete one's files and folders (helpers.snapshot)
     left_running: list[str]
     seconds: float
     status: dict | None = None  # <output_dir>/status.json afterwards
@@ -155,7 +149,7 @@ def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fa
     checkpoints = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     progress = {name: json.loads((folder / name / "progress.json").read_text())["step"]
                 for name in checkpoints if (folder / name / "progress.json").is_file()}
-    digests = {name: current_digest(folder / name) for name in progress}
+    digests = {name: snapshot(folder / name) for name in progress}
     return Launch(result, records, saves, checkpoints, progress, digests, wait_for_no_processes(str(out)), seconds,
                   read_status(out))
 
@@ -241,8 +235,7 @@ def process_state(pid: int) -> str | None:
 def runs(tmp_path_factory):
     """Every run of this module, two at a time; each test reads the ones it is about."""
     root = tmp_path_factory.mktemp("faults")
-    corpus = root / "tiny.txt"
-    corpus.write_text(tiny_text())
+    corpus = write_tiny_corpus(root / "tiny.txt")
     lm_args = (*LM_ARGS, "--data_path", str(corpus), "--batch_size", "16")
 
     def job(name: str, root: Path):
@@ -282,10 +275,6 @@ def get(runs, name):
 
 
 # ------------------------------------------------------------------------------------- helpers
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def deterministic(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in ("step", *DETERMINISTIC) if k in r} for r in records]
 
@@ -300,11 +289,6 @@ PROGRESS_BAR = re.compile(r"^train:\s+\d+%\|")
 
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
-
-
-def current_digest(folder: Path) -> dict[str, list]:
-    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()]
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def newest(launch: Launch) -> str:
@@ -333,7 +317,7 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
     assert sorted(reference) == sorted(resumed)
     assert [k for k in reference if not torch.equal(reference[k], resumed[k])] == []
     # The same metrics at every step too: lines after a resumed checkpoint were dropped and written again.
-    assert deterministic(metrics(out)) == deterministic(metrics(base))
+    assert deterministic(read_metrics(out)) == deterministic(read_metrics(base))
     assert final.left_running == [] and not list((out / "checkpoints").glob(".tmp-*"))
     if chain.again is not None:  # resuming the finished run reports it again and logs nothing twice
         again, logged = chain.again
@@ -491,11 +475,13 @@ def test_fp16_overflow_is_skipped_by_the_scaler_counted_and_training_goes_on(run
     assert first.result.returncode == 0, show(first)
     if second is not None:
         assert second.result.returncode == 0 and "resumed from" in second.result.stdout, show(second)
-    logged = {r["step"]: r for r in metrics(out) if "train/skipped_steps" in r}
+    logged = {r["step"]: r for r in read_metrics(out) if "train/skipped_steps" in r}
     assert sorted(logged) == list(range(1, 15))
-    assert [logged[s]["train/skipped_steps"] for s in range(1, 15)] == [0, 0] + [1] * 12  # counted (image: over a resume)
+    # counted (image: over a resume)
+    assert [logged[s]["train/skipped_steps"] for s in range(1, 15)] == [0, 0] + [1] * 12
     assert logged[3]["train/loss"] is None  # the inf, written as null
     assert all(logged[s]["train/loss"] is not None and math.isfinite(logged[s]["train/loss"]) for s in logged if s != 3)
-    assert all((p / "scaler.pt").is_file() for p in (out / "checkpoints").iterdir())  # the scaler's state is checkpointed
+    # the scaler's state is checkpointed
+    assert all((p / "scaler.pt").is_file() for p in (out / "checkpoints").iterdir())
     weights = load_file(str(out / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())

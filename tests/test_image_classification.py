@@ -7,7 +7,6 @@ so each happens once per session.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
+from helpers import read_metrics, snapshot
 from common.errors import read_status
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
@@ -49,12 +49,8 @@ def run_template(config: str, output_dir: Path, *args: str, num_processes: int |
     return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes))
 
 
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def val_records(output_dir: Path) -> list[dict]:
-    return [record for record in metrics(output_dir) if "val/accuracy" in record]
+    return [record for record in read_metrics(output_dir) if "val/accuracy" in record]
 
 
 def optimizer_steps(stdout: str) -> int:
@@ -238,7 +234,7 @@ def test_learning_rate_follows_the_schedule_per_optimizer_step(processes, single
     """On N ranks the schedule must still advance once per optimizer step (accelerate's default is N times)."""
     out = (single_baseline if processes == 1 else ddp_baseline)[0]
     total = 2 * EXACT_STEPS_PER_EPOCH[processes]
-    logged = [record for record in metrics(out) if "lr" in record]
+    logged = [record for record in read_metrics(out) if "lr" in record]
     assert logged
     for record in logged:
         assert record["lr"] == pytest.approx(_expected_lr(record["step"], total), rel=1e-9), record
@@ -354,17 +350,10 @@ BAD_INPUTS = {
 MODES = ("python", "accelerate")
 
 
-def snapshot(folder: Path) -> dict[str, tuple]:
-    return {
-        str(path.relative_to(folder)): (path.is_dir(), path.stat().st_mtime_ns,
-                                        None if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest())
-        for path in sorted(folder.rglob("*"))
-    }
-
-
 @pytest.fixture(scope="module")
 def bad_runs(plain_run, tmp_path_factory):
-    """Every bad invocation, both ways, pointed at a copy of a finished run's output folder (concurrently: they are short)."""
+    """Every bad invocation, both ways, pointed at a copy of a finished run's output folder (concurrently: they
+    are short)."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
     existing = tmp / "existing_run"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
+from helpers import read_metrics, tiny_text
 
 TEMPLATE = REPO / "templates" / "language_model.py"
 STEPS = 14
@@ -60,28 +60,16 @@ def template():
     return load_template("language_model")
 
 
-def tiny_text(lines: int = 380) -> str:
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
-    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "\n" for _ in range(lines))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
-    path.write_text(tiny_text())
-    return path
-
-
 def run(config: str, out: Path, corpus: Path, *extra: str, script: Path = TEMPLATE) -> subprocess.CompletedProcess:
-    result = launch(config, script, "--data_path", str(corpus), "--output_dir", str(out), *TINY, *extra, num_processes=2 if config != "cpu.yaml" else None)
+    result = launch(config, script, "--data_path", str(corpus), "--output_dir", str(out), *TINY, *extra,
+                    num_processes=2 if config != "cpu.yaml" else None)
     assert result.returncode == 0, f"{config} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
 
 def metrics(out: Path, key: str) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in records if key in r}
+    """One metric of a run, by step."""
+    return {r["step"]: r[key] for r in read_metrics(out) if key in r}
 
 
 def assert_loss_falls(out: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from conftest import CONFIGS, REPO, clean_env, free_port, processes_mentioning, wait_for_no_processes
+from helpers import read_metrics
 
 from search import runner as search_module
 from search import seeds as seeds_module
@@ -415,7 +416,7 @@ def test_search_finishes_prunes_and_leaves_no_process(image_search):
     dirs = [t["output_dir"] for t in results["trials"]]
     assert len(set(dirs)) == len(dirs)
     for trial in results["trials"]:
-        logged = [json.loads(line) for line in (Path(trial["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        logged = read_metrics(Path(trial["output_dir"]))
         accuracies = [r["val/accuracy"] for r in logged if "val/accuracy" in r]
         assert trial["evals"] <= len(accuracies) <= 3
         if trial["state"] == "complete":
@@ -439,7 +440,7 @@ def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search,
     assert report["params"] == best["params"] and report["extra_args"] == TINY_IMAGE == best["extra_args"]
     values = []
     for run in report["seeds"]:
-        logged = [json.loads(line) for line in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        logged = read_metrics(Path(run["output_dir"]))
         assert run["value"] == [r["val/accuracy"] for r in logged if "val/accuracy" in r][-1]
         config = json.loads((Path(run["output_dir"]) / "run.json").read_text())["config"]
         assert config["seed"] == run["seed"] and (config["epochs"], config["width"]) == (3, 8)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from conftest import REPO, load_template
+from conftest import REPO, load_template, reset_accelerate_state, start_clean_accelerate
+from helpers import random_text
 from torch.utils.data import Dataset
 
 import common.accelerator as accelerator_module
@@ -40,17 +40,6 @@ TEMPLATES = {
          "--sample_tokens", "0", "--log_every_steps", "2"],
     ),
 }
-
-
-@pytest.fixture
-def fresh_accelerate(monkeypatch):
-    """Accelerate keeps process-wide singletons; each in-process run starts from a clean state."""
-    for key in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "WANDB_MODE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class Recorder:
@@ -209,8 +198,7 @@ SHORT = {"image_classification": {"epochs": 1}, "language_model": {"max_steps": 
 
 def run_main(module, template: str, output: Path, **overrides):
     """One in-process run (a new job: accelerate's singletons reset), without W&B."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     overrides.setdefault("resume", "none")
     return module.main(options(template, output_dir=output, tracker="none", **overrides))
 
@@ -362,14 +350,6 @@ class DataWatch:
         return self.fetched[: self.batches_per_epoch * batch_size]
 
 
-def random_text(path: Path, size: int, seed: int) -> Path:
-    """Random lower-case words: no 8 bytes of it recur by chance, so shared content means a shared sample."""
-    rng = np.random.default_rng(seed)
-    letters = rng.choice(list(b"abcdefghijklmnopqrstuvwxyz     \n"), size=size).astype(np.uint8)
-    path.write_bytes(letters.tobytes())
-    return path
-
-
 # Interrupted runs for the shuffle, validation-order and resume tests. Image: 14 micro-batches of 96 an
 # epoch, 7 optimizer steps (accumulation 2), stopped at step 9 (epoch 2, 4 micro-batches in). Language
 # model: 168 training windows of a random text make 21 micro-batches of 8 an epoch, 11 optimizer steps;
@@ -392,17 +372,14 @@ def interrupted_runs(request, tmp_path_factory):
     overrides = {k: str(v).format(corpus=corpus) for k, v in overrides.items()}
     watches = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        for key in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "WANDB_MODE"):
-            monkeypatch.delenv(key, raising=False)
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        start_clean_accelerate(monkeypatch)
         for name, sessions in (("uninterrupted", [{}]),
                                ("interrupted", [{"stop_after_steps": stop}, {"resume": "auto"}])):
             for number, extra in enumerate(sessions):
                 with pytest.MonkeyPatch.context() as watching:
                     watches.setdefault((name, number), DataWatch(watching, module))
                     run_main(module, template, root / name, **overrides, **extra)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     batch_size = int(options(template)[options(template).index("--batch_size") + 1])
     return SimpleNamespace(template=template, root=root, watches=watches, batch_size=batch_size, seed=0)
 
