@@ -49,7 +49,8 @@ def launch(
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     command += [str(script), *args]
-    return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def processes_mentioning(marker: str) -> list[str]:

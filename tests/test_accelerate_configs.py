@@ -31,7 +31,8 @@ def test_every_config_loads_with_accelerates_own_loader(path):
 
 
 def test_the_documented_configs_are_all_there():
-    assert {p.name for p in CONFIG_FILES} >= {"cpu.yaml", "cpu_ddp.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp.yaml", "multi_node.yaml"}
+    assert {p.name for p in CONFIG_FILES} >= {"cpu.yaml", "cpu_ddp.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp.yaml",
+                                              "multi_node.yaml"}
 
 
 def test_cpu_is_one_cpu_process():
@@ -52,7 +53,8 @@ def test_cpu_ddp_is_two_processes_of_one_data_parallel_job():
     assert config.mixed_precision == "no"
 
 
-@pytest.mark.parametrize("name, distributed_type", [("single_gpu.yaml", DistributedType.NO), ("ddp.yaml", DistributedType.MULTI_GPU)])
+@pytest.mark.parametrize("name, distributed_type", [("single_gpu.yaml", DistributedType.NO),
+                                                     ("ddp.yaml", DistributedType.MULTI_GPU)])
 def test_gpu_configs_use_bf16(name, distributed_type):
     config = load(name)
     assert config.distributed_type == distributed_type
@@ -100,7 +102,8 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
 
     def machine(rank: int) -> subprocess.CompletedProcess:
         return launch("multi_node.yaml", TEMPLATE, *args, num_processes=2, timeout=240, launcher_args=(
-            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
+            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port)))
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         first, second = pool.map(machine, (0, 1))

@@ -468,7 +468,8 @@ def test_export_of_tied_weights_stores_the_tensor_once(tmp_path, fresh_accelerat
 
 def test_load_exported_refuses_a_model_of_another_shape(job, tmp_path):
     path = export_weights(job.accelerator, job.model, tmp_path / "model.safetensors")
-    with pytest.raises(UsageError, match=r"does not fit this model: shape of net.0.weight is \(8, 4\), the model has \(16, 4\)"):
+    with pytest.raises(UsageError, match=r"does not fit this model: shape of net.0.weight is \(8, 4\), "
+                                         r"the model has \(16, 4\)"):
         load_exported(Tiny(width=16), path)
     with pytest.raises(UsageError, match="does not fit this model: missing"):
         load_exported(TiedLM(), path)
@@ -508,7 +509,8 @@ TWO_RANK_SCRIPT = textwrap.dedent("""
     after_load = [torch.rand(2).tolist(), float(np.random.rand()), random.random()]
     with open(f"{{output}}/rank{{job.accelerator.process_index}}.json", "w") as handle:
         json.dump({{"world": job.accelerator.num_processes, "after_save": after_save, "after_load": after_load,
-                   "step": progress.step, "ticks": ticks, "ticks_restored": job.scheduler.scheduler.last_epoch}}, handle)
+                   "step": progress.step, "ticks": ticks,
+                   "ticks_restored": job.scheduler.scheduler.last_epoch}}, handle)
 """)
 
 

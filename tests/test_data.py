@@ -216,7 +216,8 @@ MULTI_RANK_SCRIPT = textwrap.dedent("""
     for epoch in range(2):
         shuffled.set_epoch(epoch)
         epochs.append(order(shuffled))
-    out = {{"world": accelerator.num_processes, "epochs": epochs, "rng_untouched": torch.equal(rng, torch.get_rng_state()),
+    out = {{"world": accelerator.num_processes, "epochs": epochs,
+           "rng_untouched": torch.equal(rng, torch.get_rng_state()),
            "draws": [row[2] for batch in draws for row in zip(*(x.tolist() for x in batch))]}}
     with open(sys.argv[1] + f"/rank{{rank}}.json", "w") as handle:
         json.dump(out, handle)

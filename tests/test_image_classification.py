@@ -45,7 +45,8 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def run_template(config: str, output_dir: Path, *args: str, num_processes: int | None = None) -> subprocess.CompletedProcess:
+def run_template(config: str, output_dir: Path, *args: str,
+                 num_processes: int | None = None) -> subprocess.CompletedProcess:
     return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes))
 
 
@@ -168,7 +169,8 @@ def ddp_baseline(tmp_path_factory):
 def test_cpu_run_writes_the_documented_outputs(plain_run):
     out, result = plain_run
     assert "NO on cpu, 1 process(es)" in result.stdout
-    assert re.search(r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$", result.stdout, re.M), result.stdout
+    final = r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$"
+    assert re.search(final, result.stdout, re.M), result.stdout
     run = json.loads((out / "run.json").read_text())
     assert run["template"] == "image_classification" and run["config"]["epochs"] == 2
     vals = val_records(out)
@@ -249,7 +251,8 @@ def test_fsdp_trains_sharded_resumes_and_exports(tmp_path, ddp_baseline):
     assert not (out / "model.safetensors").exists()
     checkpoint = out / "checkpoints" / "step_00000004"
     # SHARDED_STATE_DICT: one shard per rank of the model and of the optimizer, no full copy.
-    assert sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    shards = sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert len(list((checkpoint / "optimizer_0").glob("*.distcp"))) == 2
     assert not (checkpoint / "model.safetensors").exists()
 
@@ -292,7 +295,8 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     assert f"at step {first_stop} (epoch 0, batch {2 * first_stop})" in result.stdout
     assert f"stopped at step {second_stop}" in result.stdout
     progress = progress_of(out / "checkpoints" / f"step_{second_stop:08d}")
-    assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))  # crossed into epoch 2
+    # crossed into epoch 2
+    assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))
 
     result = run_template(config, out, *EXACT, "--resume", "auto")
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
@@ -426,7 +430,8 @@ def write_images(root: Path, per_class: int, start: int = 0) -> None:
             draw(kind, index).save(root / kind / f"{index:03d}.png")
 
 
-DATA_ARGS = ("--image_size", "16", "--epochs", "3", "--batch_size", "8", "--width", "8", "--depth", "1", "--tracker", "none")
+DATA_ARGS = ("--image_size", "16", "--epochs", "3", "--batch_size", "8", "--width", "8", "--depth", "1",
+             "--tracker", "none")
 
 
 @pytest.mark.parametrize("layout", ["flat", "train-val"])

@@ -193,7 +193,8 @@ def test_fsdp_export_loads_into_a_plain_model_with_the_same_logits(fsdp_runs):
     lm = template()
     info = export_info(whole / "model.safetensors")  # the export alone says how to rebuild its model
     assert info == json.loads((whole / "run.json").read_text())["model"] and info["byte_level"] is True
-    assert info["model"] == {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.1}
+    assert info["model"] == {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                             "dropout": 0.1}
     model = lm.GPT(**info["model"])
     load_exported(model, whole / "model.safetensors")
     probe = torch.load(probe_file)
@@ -248,7 +249,8 @@ def test_text_folder_splits_by_file(tmp_path):
 def test_init_from_loads_an_export_also_for_shorter_sequences(tmp_path):
     lm = template()
     export = tiny_export(tmp_path / "model.safetensors", block_size=32)
-    model = lm.build_model(config(lm, "--init_from", str(export), "--n_layer", "1", "--n_head", "2", "--n_embd", "32"), vocab_size=256)
+    model = lm.build_model(config(lm, "--init_from", str(export), "--n_layer", "1", "--n_head", "2", "--n_embd", "32"),
+                           vocab_size=256)
     saved = load_file(str(export))
     assert model.block_size == 32  # --block_size 16 trains on the export's first 16 positions
     assert all(torch.equal(p, saved[k]) for k, p in model.state_dict().items())
@@ -288,16 +290,20 @@ def bad_input(case: str, folder: Path, corpus: Path) -> tuple[list[str], str]:
         return ["--data_path", str(folder / "odd.bin")], "has 3 bytes, not a multiple of 2"
     if case == "sequence longer than the model":
         export = tiny_export(folder / "short.safetensors", block_size=32)
-        return ["--data_path", str(corpus), "--init_from", str(export), "--block_size", "64"], "--block_size 64 is longer than the 32 positions"
+        return (["--data_path", str(corpus), "--init_from", str(export), "--block_size", "64"],
+                "--block_size 64 is longer than the 32 positions")
     assert case == "export of another shape"
     export = tiny_export(folder / "wide.safetensors", n_embd=48)
-    return ["--data_path", str(corpus), "--init_from", str(export), "--block_size", "32"], "does not fit this model: shape of"
+    return (["--data_path", str(corpus), "--init_from", str(export), "--block_size", "32"],
+            "does not fit this model: shape of")
 
 
-@pytest.mark.parametrize("case", ["empty corpus", "odd-sized token file", "sequence longer than the model", "export of another shape"])
+@pytest.mark.parametrize("case", ["empty corpus", "odd-sized token file", "sequence longer than the model",
+                                  "export of another shape"])
 def test_bad_input_is_one_error_line(tmp_path, corpus, case):
     args, message = bad_input(case, tmp_path, corpus)
-    args += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--tracker", "none", "--output_dir", str(tmp_path / "run"), "--max_steps", "2"]
+    args += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--tracker", "none",
+             "--output_dir", str(tmp_path / "run"), "--max_steps", "2"]
     result = subprocess.run([sys.executable, str(TEMPLATE), *args], cwd=REPO, env=clean_env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]

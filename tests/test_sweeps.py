@@ -183,7 +183,8 @@ def test_agent_argv_keeps_floats_ints_booleans_lists(monkeypatch, tmp_path):
             "schedule": {"values": ["cosine", "linear"]},
             "clip": {"values": [None, 0.5]},
         },
-        "command": ["${env}", "accelerate", "launch", "--config_file", "accelerate_configs/cpu.yaml", "${program}", "${args}"],
+        "command": ["${env}", "accelerate", "launch", "--config_file", "accelerate_configs/cpu.yaml", "${program}",
+                    "${args}"],
     }
     np.random.seed(1)
     seen = {name: set() for name in config["parameters"]}

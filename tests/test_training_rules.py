@@ -122,13 +122,15 @@ def test_train_and_eval_modes(template, tmp_path, monkeypatch, fresh_accelerate)
     assert all(f[1] is False for f in evaluating), "evaluation must run in model.eval() mode without grad"
     # every evaluation batch is gathered with gather_for_metrics (which drops DDP padding)
     sequence = [event for event in recorder.events if event[0] in ("forward", "gather")]
-    after_eval_forward = [sequence[i + 1][0] for i, event in enumerate(sequence[:-1]) if event[0] == "forward" and not event[2]]
+    after_eval_forward = [sequence[i + 1][0] for i, event in enumerate(sequence[:-1])
+                          if event[0] == "forward" and not event[2]]
     assert len(after_eval_forward) == len(evaluating) - (sequence[-1][0] == "forward")
     assert all(kind == "gather" for kind in after_eval_forward)
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(template, tmp_path, monkeypatch, fresh_accelerate, capsys):
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(template, tmp_path, monkeypatch, fresh_accelerate,
+                                                                      capsys):
     module = load_template(template)
     _, args = TEMPLATES[template]
     output = tmp_path / "run"
