@@ -28,6 +28,8 @@ CONFIGS = REPO / "accelerate_configs"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from search.sweep import free_port  # noqa: E402  (the one copy; search/ imports no torch)
+
 TEMPLATES = ("image_classification", "language_model")
 
 
@@ -394,14 +396,6 @@ def clean_env(threads: int, **extra: str) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(threads)
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(config: str, template: str, args: list[str], *, probe_prefix: Path, num_processes: int | None = None,

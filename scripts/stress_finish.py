@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from search.sweep import free_port  # noqa: E402  (the one copy; search/ imports no torch)
+
 IMAGE_ARGS = ("--epochs", "1", "--width", "8", "--depth", "1", "--num_workers", "0", "--tracker", "none")
 LM_ARGS = ("--max_steps", "20", "--eval_every_steps", "10", "--eval_batches", "2", "--n_layer", "1", "--n_head", "2",
            "--n_embd", "32", "--block_size", "32", "--batch_size", "8", "--sample_tokens", "0", "--tracker", "none")
@@ -46,12 +50,6 @@ class Result:
     @property
     def aborted(self) -> bool:
         return self.returncode != 0 and any(marker in self.output for marker in ABORT_MARKERS)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def clean_env() -> dict[str, str]:

@@ -1,29 +1,26 @@
-"""Shared test helpers: the repo on sys.path, free ports, and `accelerate launch` runs."""
+"""Shared test helpers: the repo on sys.path, `accelerate launch` runs, a clean accelerate state, templates
+loaded as modules, and the fixtures. The small readers and writers of files are in helpers.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import write_tiny_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from search.sweep import free_port  # noqa: E402  (the one copy; search/ imports no torch)
+
 CONFIGS = REPO / "accelerate_configs"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -52,7 +49,8 @@ def launch(
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     command += [str(script), *args]
-    return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def processes_mentioning(marker: str) -> list[str]:
@@ -128,30 +126,49 @@ def load_template(name: str):
     return module
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The tiny corpus, written once for a test module."""
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus") / "tiny.txt")
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO
 
 
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide singletons (AcceleratorState with PartialState, GradientState):
+    the next Accelerator built in this process is a new job's, not the first one's settings again."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def start_clean_accelerate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `monkeypatch` (which restores them): no accelerate, FSDP, rank or WANDB_MODE variables,
+    one CPU thread; then a clean accelerate state."""
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))] + [
+        "ACCELERATE_USE_CPU", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "WANDB_MODE",
+    ]:
+        monkeypatch.setenv(key, "")  # records the original value (or its absence) for the restore ...
+        monkeypatch.delenv(key)  # ... then the test starts without it
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    reset_accelerate_state()
+
+
 @pytest.fixture
 def fresh_accelerate(monkeypatch):
-    """A clean slate for building an `Accelerator` in the test process.
+    """A clean slate for building an `Accelerator` (or running a template's `main`) in the test process.
 
     accelerate keeps process-wide singletons (the first Accelerator's settings would stick), and
     `build_accelerator` writes ACCELERATE_USE_CPU into os.environ; both are reset after the test.
     """
-    from accelerate.state import AcceleratorState, GradientState
-
-    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))] + [
-        "ACCELERATE_USE_CPU", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    ]:
-        monkeypatch.setenv(key, "")  # records the original value (or its absence) for the restore ...
-        monkeypatch.delenv(key)  # ... then the test starts without it
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    start_clean_accelerate(monkeypatch)
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,8 @@ import traceback
 
 def launcher_trailer(code: int) -> None:
     """What `accelerate launch` prints after its child failed, then exit like it."""
-    print("Traceback (most recent call last):\n  File \"accelerate/commands/launch.py\", line 1049, in _run_subprocess\n"
+    print("Traceback (most recent call last):\n"
+          "  File \"accelerate/commands/launch.py\", line 1049, in _run_subprocess\n"
           f"subprocess.CalledProcessError: Command '['python', 'train.py']' returned non-zero exit status {code}.",
           file=sys.stderr)
     sys.exit(code)

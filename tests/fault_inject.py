@@ -24,14 +24,13 @@ steps of this session) and, on the chosen rank (default: every rank), at FAULT_S
 
 FAULT_RECORD names a folder where each rank writes rank<R>.json at start (pid, the step it resumed
 from) and again at exit (exit code, the last optimizer step it finished); rank 0 also writes
-saves.json: for every checkpoint this session published, each file's size, mtime and sha256 as
-they were right after the save.
+saves.json: for every checkpoint this session published, its files and folders as they were right
+after the save (tests/helpers.py `snapshot`: inode, size, mtime and sha256).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib.util
 import json
 import os
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from helpers import snapshot  # tests/helpers.py, beside this file
 
 template_path = Path(sys.argv[1]).resolve()
 argv = sys.argv[2:]
@@ -171,15 +171,10 @@ real_write = template.CheckpointManager._write
 saves: dict[str, dict] = {}
 
 
-def digest(folder: Path) -> dict[str, list]:
-    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()]
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def write(self, name, progress):
     path = real_write(self, name, progress)
     if RECORD is not None and RANK == 0:
-        saves[path.name] = digest(path)
+        saves[path.name] = snapshot(path)
         write_json(RECORD / "saves.json", saves)
     return path
 

@@ -22,5 +22,6 @@ spec.loader.exec_module(template)
 
 argv = sys.argv[1:]
 config = template.parse_config(template.Config, argv)
-Path(os.environ["PROBE_DIR"], f"rank_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(dataclasses.asdict(config)))
+record = Path(os.environ["PROBE_DIR"], f"rank_{os.environ.get('RANK', '0')}.json")
+record.write_text(json.dumps(dataclasses.asdict(config)))
 template.main(argv)

@@ -12,6 +12,7 @@ from accelerate.commands.config.config_args import ClusterConfig, load_config_fr
 from accelerate.utils import DistributedType
 
 from conftest import CONFIGS, REPO, free_port, launch, load_template
+from helpers import read_metrics
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
@@ -30,7 +31,8 @@ def test_every_config_loads_with_accelerates_own_loader(path):
 
 
 def test_the_documented_configs_are_all_there():
-    assert {p.name for p in CONFIG_FILES} >= {"cpu.yaml", "cpu_ddp.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp.yaml", "multi_node.yaml"}
+    assert {p.name for p in CONFIG_FILES} >= {"cpu.yaml", "cpu_ddp.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp.yaml",
+                                              "multi_node.yaml"}
 
 
 def test_cpu_is_one_cpu_process():
@@ -51,7 +53,8 @@ def test_cpu_ddp_is_two_processes_of_one_data_parallel_job():
     assert config.mixed_precision == "no"
 
 
-@pytest.mark.parametrize("name, distributed_type", [("single_gpu.yaml", DistributedType.NO), ("ddp.yaml", DistributedType.MULTI_GPU)])
+@pytest.mark.parametrize("name, distributed_type", [("single_gpu.yaml", DistributedType.NO),
+                                                     ("ddp.yaml", DistributedType.MULTI_GPU)])
 def test_gpu_configs_use_bf16(name, distributed_type):
     config = load(name)
     assert config.distributed_type == distributed_type
@@ -99,7 +102,8 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
 
     def machine(rank: int) -> subprocess.CompletedProcess:
         return launch("multi_node.yaml", TEMPLATE, *args, num_processes=2, timeout=240, launcher_args=(
-            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
+            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port)))
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         first, second = pool.map(machine, (0, 1))
@@ -117,7 +121,7 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
     # One set of outputs: one run.json, each metric logged once, checkpoints holding both ranks' state.
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors", "run.json",
                                                    "status.json"]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     assert [(r["step"], r["epoch"]) for r in records if "val/accuracy" in r] == [(11, 1), (22, 2)]
     assert [r["val/samples"] for r in records if "val/accuracy" in r] == [359, 359]
     kinds = [(r["step"], "val/accuracy" in r) for r in records]

@@ -11,7 +11,6 @@ README's figure.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import re
@@ -30,13 +29,15 @@ import pytest
 import yaml
 
 from conftest import REPO, clean_env, launch, load_template
+from helpers import snapshot
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
 FAKE = REPO / "tests" / "fake_trial.py"
 TINY_IMAGE = ["--epochs", "1", "--width", "8", "--depth", "1", "--batch_size", "512", "--tracker", "none"]
-TINY_LM = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8", "--max_steps", "2",
-           "--eval_every_steps", "0", "--eval_batches", "1", "--sample_tokens", "0", "--tracker", "none"]
+TINY_LM = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
+           "--max_steps", "2", "--eval_every_steps", "0", "--eval_batches", "1", "--sample_tokens", "0",
+           "--tracker", "none"]
 PROGRESS_BAR = re.compile(r"^train:\s+\d+%\|")
 
 
@@ -45,7 +46,8 @@ class Case:
     program: str  # image, lm or search
     args: tuple[str, ...]  # {image_run}, {lm_run}, {study}, {data}, {fresh} are filled in
     expected: str  # part of the one error line
-    output: str | None = None  # --output_dir (templates): the copy of a finished run it may not change; default by program
+    # --output_dir (templates): the copy of a finished run it may not change; default by program
+    output: str | None = None
 
 
 def lm_checkpoint() -> str:
@@ -60,9 +62,11 @@ CASES = {
     # -- image template: flags and values
     "image/unknown-flag": Case("image", ("--epoch", "3"), "unknown option --epoch (did you mean --epochs?)"),
     "image/wrong-type": Case("image", ("--epochs=abc",), "--epochs: expected an integer, got 'abc'"),
-    "image/negative-learning-rate": Case("image", ("--learning_rate", "-1e-3"), "learning_rate must be > 0, got -0.001"),
+    "image/negative-learning-rate": Case("image", ("--learning_rate", "-1e-3"),
+                                         "learning_rate must be > 0, got -0.001"),
     "image/batch-size-0": Case("image", ("--batch_size", "0"), "batch_size must be at least 1, got 0"),
-    "image/accumulation-0": Case("image", ("--gradient_accumulation_steps", "0"), "gradient_accumulation_steps must be at least 1, got 0"),
+    "image/accumulation-0": Case("image", ("--gradient_accumulation_steps", "0"),
+                                 "gradient_accumulation_steps must be at least 1, got 0"),
     "image/dropout-out-of-range": Case("image", ("--dropout", "1.5"), "dropout must be in [0, 1), got 1.5"),
     "image/label-smoothing-2": Case("image", ("--label_smoothing", "2"), "label_smoothing must be in [0, 1), got 2.0"),
     "image/learning-rate-inf": Case("image", ("--learning_rate", "inf"),
@@ -85,10 +89,11 @@ CASES = {
                                                        "--batch_size", "64"),
                                              "11 training images make no full batch of 64 per process (1 process): "
                                              "use --batch_size 11 or less"),
-    "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8", "--num_workers", "0"),
-                                "cannot read image {data}/images/", output="{fresh}"),
-    "image/corrupt-image-in-a-worker": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8",
-                                                      "--num_workers", "2"), "cannot read image {data}/images/", output="{fresh}"),
+    "image/corrupt-image": Case("image", ("--data_dir", "{data}/images", "--image_size", "16", "--batch_size", "8",
+                                          "--num_workers", "0"), "cannot read image {data}/images/", output="{fresh}"),
+    "image/corrupt-image-in-a-worker": Case("image", ("--data_dir", "{data}/images", "--image_size", "16",
+                                                      "--batch_size", "8", "--num_workers", "2"),
+                                            "cannot read image {data}/images/", output="{fresh}"),
     # -- image template: checkpoints and output folders
     # Another shape is other settings: refused before the checkpoint is even opened (test_checkpoint.py
     # covers a model changed in the code, whose message names the mismatched keys and shapes).
@@ -98,10 +103,13 @@ CASES = {
                                     "refused optimizer.bin: it holds more than plain data, loading it could run code "
                                     "(Unsupported global: GLOBAL argparse.Namespace"),
     "image/checkpoint-of-another-template": Case("image", ("--resume", lm_checkpoint()),
-                                                 "was written by template 'language_model', not 'image_classification'"),
-    "image/resume-path-missing": Case("image", ("--resume", "{data}/no_such_checkpoint"), "no_such_checkpoint: no such checkpoint folder"),
+                                                 "was written by template 'language_model', "
+                                                 "not 'image_classification'"),
+    "image/resume-path-missing": Case("image", ("--resume", "{data}/no_such_checkpoint"),
+                                      "no_such_checkpoint: no such checkpoint folder"),
     "image/folder-of-another-run": Case("image", ("--resume", "none"), "already holds checkpoints of a run (newest: "),
-    "image/folder-of-another-template": Case("image", (), "holds a run of template 'language_model'; choose another --output_dir",
+    "image/folder-of-another-template": Case("image", (),
+                                             "holds a run of template 'language_model'; choose another --output_dir",
                                              output="{lm_run}"),
     "image/output-dir-is-a-file": Case("image", (), "--output_dir {image_run}/metrics.jsonl is a file, not a folder",
                                        output="{image_run}/metrics.jsonl"),
@@ -113,12 +121,16 @@ CASES = {
     # -- config files
     "config/missing": Case("image", ("--config", "{data}/missing.yaml"), "missing.yaml: not found"),
     "config/not-yaml": Case("image", ("--config", "{data}/broken.yaml"), "broken.yaml: not valid YAML"),
-    "config/wrong-type": Case("image", ("--config", "{data}/wrong_type.yaml"), "wrong_type.yaml: label_smoothing: expected a number, got 'lots'"),
-    "config/unknown-key": Case("lm", ("--config", "{data}/unknown_key.yaml"), "unknown_key.yaml: unknown key 'max_step' (did you mean max_steps?)"),
+    "config/wrong-type": Case("image", ("--config", "{data}/wrong_type.yaml"),
+                              "wrong_type.yaml: label_smoothing: expected a number, got 'lots'"),
+    "config/unknown-key": Case("lm", ("--config", "{data}/unknown_key.yaml"),
+                               "unknown_key.yaml: unknown key 'max_step' (did you mean max_steps?)"),
     # -- language-model template
-    "lm/not-a-multiple-of-heads": Case("lm", ("--n_embd", "30", "--n_head", "4"), "n_embd (30) must be a multiple of n_head (4)"),
+    "lm/not-a-multiple-of-heads": Case("lm", ("--n_embd", "30", "--n_head", "4"),
+                                       "n_embd (30) must be a multiple of n_head (4)"),
     "lm/max-steps-0": Case("lm", ("--max_steps", "0"), "max_steps must be at least 1, got 0"),
-    "lm/missing-corpus": Case("lm", ("--data_path", "{data}/no_such_corpus.txt"), "no_such_corpus.txt: no such file or folder"),
+    "lm/missing-corpus": Case("lm", ("--data_path", "{data}/no_such_corpus.txt"),
+                              "no_such_corpus.txt: no such file or folder"),
     "lm/empty-corpus": Case("lm", ("--data_path", "{data}/empty.txt"), "empty corpus, no bytes to train on"),
     "lm/corpus-too-short-for-a-batch": Case("lm", ("--data_path", "{data}/short.txt", "--val_fraction", "0.5"),
                                             "4 training windows make no full batch of 8 per process (1 process): "
@@ -145,19 +157,17 @@ CASES = {
     "lm/output-dir-is-a-file": Case("lm", (), "--output_dir {lm_run}/run.json is a file, not a folder",
                                     output="{lm_run}/run.json"),
     # -- the search runner
-    "search/unknown-flag": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trial", "3"), "unknown option --n_trial (did you mean --n_trials?)"),
-    "search/n-trials-0": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trials", "0"), "n_trials must be at least 1"),
+    "search/unknown-flag": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trial", "3"),
+                                "unknown option --n_trial (did you mean --n_trials?)"),
+    "search/n-trials-0": Case("search", ("--sweep", "{data}/sweep.yaml", "--n_trials", "0"),
+                              "n_trials must be at least 1"),
     "search/missing-sweep": Case("search", ("--sweep", "{data}/no_such_sweep.yaml"), "no_such_sweep.yaml: not found"),
-    "search/invalid-sweep": Case("search", ("--sweep", "{data}/invalid_sweep.yaml"), "parameter learning_rate: unknown distribution 'loguniform'"),
+    "search/invalid-sweep": Case("search", ("--sweep", "{data}/invalid_sweep.yaml"),
+                                 "parameter learning_rate: unknown distribution 'loguniform'"),
     "search/missing-accelerate-config": Case("search", ("--sweep", "{data}/missing_config_sweep.yaml"),
-                                             "the command's --config_file accelerate_configs/no_such_config.yaml does not exist"),
+                                             "the command's --config_file accelerate_configs/no_such_config.yaml "
+                                             "does not exist"),
 }
-
-
-def snapshot(root: Path) -> dict[str, tuple]:
-    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns,
-                                       hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None)
-            for p in sorted(root.rglob("*"))}
 
 
 def write_data(data: Path) -> None:
@@ -170,7 +180,8 @@ def write_data(data: Path) -> None:
             color = [40, 40, 40]
             color[c] = 100 + 15 * i
             Image.new("RGB", (20, 20), tuple(color)).save(data / "images" / name / f"{i}.png")
-    (data / "images" / "green" / "broken.png").write_bytes(b"these bytes are no PNG")  # corrupt, in one split or the other
+    # corrupt, in one split or the other
+    (data / "images" / "green" / "broken.png").write_bytes(b"these bytes are no PNG")
     for c, name in enumerate(("red", "green", "blue")):  # 15 good images, 11 of them to train on
         (data / "few_images" / name).mkdir(parents=True)
         for i in range(5):
@@ -235,7 +246,8 @@ def battery(tmp_path_factory, data):
     prepare = [
         command("image", [*TINY_IMAGE, "--output_dir", str(existing / "image_run")]),
         command("lm", [*TINY_LM, "--data_path", str(data / "corpus.txt"), "--output_dir", str(existing / "lm_run")]),
-        command("search", ["--sweep", str(data / "sweep.yaml"), "--n_trials", "1", "--output_dir", str(existing / "study")]),
+        command("search", ["--sweep", str(data / "sweep.yaml"), "--n_trials", "1",
+                           "--output_dir", str(existing / "study")]),
     ]
     with ThreadPoolExecutor(max_workers=2) as pool:
         for result in pool.map(run, prepare):
@@ -276,7 +288,8 @@ def test_the_battery_has_at_least_20_cases_across_templates_configs_and_the_sear
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_error_line_and_changes_nothing_saved(battery, name):
     result, before, after, expected, places = battery[name]
-    shown = f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-2000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
+    shown = (f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-2000:]}\n"
+             f"--- stderr ---\n{result.stderr[-3000:]}")
     assert result.returncode == 2, shown
     lines = [line for line in re.split(r"[\r\n]+", result.stderr) if line.strip() and not PROGRESS_BAR.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), shown

@@ -14,7 +14,8 @@ SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "finetun
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, *args], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, f"{args}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -61,8 +62,8 @@ def test_gpu_dry_run_builds_the_commands():
     out = run("bench/gpu.py", "--dry-run").stdout.splitlines()
     assert len(out) == 3
     lm = out[0]
-    for part in ("single_gpu.yaml", "language_model", "--n_layer 12", "--n_embd 768", "--block_size 1024", "--vocab_size 50304",
-                 "--mixed_precision bf16", "--compile true"):
+    for part in ("single_gpu.yaml", "language_model", "--n_layer 12", "--n_embd 768", "--block_size 1024",
+                 "--vocab_size 50304", "--mixed_precision bf16", "--compile true"):
         assert part in lm, part
     assert all("image_classification" in line for line in out[1:])
 
@@ -77,7 +78,8 @@ def test_write_results_replaces_only_its_section(tmp_path, monkeypatch):
     import harness
 
     monkeypatch.setattr(harness, "RESULTS", tmp_path / "RESULTS.md")
-    info = {"cores": 2, "cpu": "x", "gpu": None, "torch": "t", "accelerate": "a", "python": "p", "load": 0.0, "threads": 1}
+    info = {"cores": 2, "cpu": "x", "gpu": None, "torch": "t", "accelerate": "a", "python": "p", "load": 0.0,
+            "threads": 1}
     harness.write_results("one", "One", "first", info)
     harness.write_results("two", "Two", "second", info)
     harness.write_results("one", "One", "third", info)

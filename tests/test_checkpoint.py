@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import os
 import random
@@ -16,7 +15,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors import safe_open
 
 import common.checkpoint as checkpoint_module
@@ -32,7 +30,8 @@ from common.checkpoint import (
 )
 from common.errors import UsageError
 from common.optim import warmup_cosine, weight_decay_groups
-from conftest import REPO, launch
+from conftest import REPO, launch, reset_accelerate_state
+from helpers import snapshot
 
 
 class Tiny(torch.nn.Module):
@@ -63,8 +62,7 @@ class TiedLM(torch.nn.Module):
 def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last: int = 3, mode: str = "max",
           init_seed: int = 0):
     """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     accelerator = build_accelerator(seed=0)
     torch.manual_seed(init_seed)
     model = Tiny(width)
@@ -94,16 +92,6 @@ def params(job) -> dict[str, torch.Tensor]:
 
 def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def snapshot(root: Path) -> dict[str, tuple]:
-    """Every file and folder under root with its inode, modification time and content hash."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        stat = path.stat()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-        found[str(path.relative_to(root))] = (stat.st_ino, stat.st_mtime_ns, digest)
-    return found
 
 
 def names(job) -> list[str]:
@@ -480,7 +468,8 @@ def test_export_of_tied_weights_stores_the_tensor_once(tmp_path, fresh_accelerat
 
 def test_load_exported_refuses_a_model_of_another_shape(job, tmp_path):
     path = export_weights(job.accelerator, job.model, tmp_path / "model.safetensors")
-    with pytest.raises(UsageError, match=r"does not fit this model: shape of net.0.weight is \(8, 4\), the model has \(16, 4\)"):
+    with pytest.raises(UsageError, match=r"does not fit this model: shape of net.0.weight is \(8, 4\), "
+                                         r"the model has \(16, 4\)"):
         load_exported(Tiny(width=16), path)
     with pytest.raises(UsageError, match="does not fit this model: missing"):
         load_exported(TiedLM(), path)
@@ -520,7 +509,8 @@ TWO_RANK_SCRIPT = textwrap.dedent("""
     after_load = [torch.rand(2).tolist(), float(np.random.rand()), random.random()]
     with open(f"{{output}}/rank{{job.accelerator.process_index}}.json", "w") as handle:
         json.dump({{"world": job.accelerator.num_processes, "after_save": after_save, "after_load": after_load,
-                   "step": progress.step, "ticks": ticks, "ticks_restored": job.scheduler.scheduler.last_epoch}}, handle)
+                   "step": progress.step, "ticks": ticks,
+                   "ticks_restored": job.scheduler.scheduler.last_epoch}}, handle)
 """)
 
 

@@ -23,7 +23,7 @@ from common.data import (
     stable_fraction,
 )
 from common.errors import UsageError
-from conftest import REPO, launch
+from conftest import REPO, launch, reset_accelerate_state
 
 CPU = torch.device("cpu")
 
@@ -149,12 +149,10 @@ def test_iterating_does_not_consume_the_global_torch_rng(num_workers):
 
 def prepared(seed: int = 11, rank: int = 0, n: int = 24, batch_size: int = 4, train: bool = True):
     """A loader as the templates use it: built here, prepared by a fresh `build_accelerator` Accelerator."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     accelerator = build_accelerator(seed=seed)
-    loader = build_loader(indices(n), batch_size=batch_size, train=train, seed=seed, device=accelerator.device, rank=rank)
+    loader = build_loader(indices(n), batch_size=batch_size, train=train, seed=seed, device=accelerator.device,
+                          rank=rank)
     return accelerator, accelerator.prepare(loader)
 
 
@@ -218,7 +216,8 @@ MULTI_RANK_SCRIPT = textwrap.dedent("""
     for epoch in range(2):
         shuffled.set_epoch(epoch)
         epochs.append(order(shuffled))
-    out = {{"world": accelerator.num_processes, "epochs": epochs, "rng_untouched": torch.equal(rng, torch.get_rng_state()),
+    out = {{"world": accelerator.num_processes, "epochs": epochs,
+           "rng_untouched": torch.equal(rng, torch.get_rng_state()),
            "draws": [row[2] for batch in draws for row in zip(*(x.tolist() for x in batch))]}}
     with open(sys.argv[1] + f"/rank{{rank}}.json", "w") as handle:
         json.dump(out, handle)

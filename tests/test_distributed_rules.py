@@ -17,11 +17,11 @@ import signal
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import REPO, launch, load_template, processes_mentioning
+from helpers import random_text, read_metrics
 
 WRAPPER = '''
 import importlib.util, json, os, random, sys
@@ -117,9 +117,7 @@ def two_ranks(request, tmp_path_factory):
     wrapper, record, output = root / "watch.py", root / "record", root / "run"
     wrapper.write_text(WRAPPER)
     record.mkdir()
-    corpus = root / "corpus.txt"
-    rng = np.random.default_rng(0)
-    corpus.write_bytes(rng.choice(list(b"abcdefghijklmnopqrstuvwxyz     \n"), size=3000).astype(np.uint8).tobytes())
+    corpus = random_text(root / "corpus.txt", 3000, seed=0)
     args = [a.format(corpus=corpus) for a in RUNS[template]]
     try:
         result = launch("cpu_ddp.yaml", wrapper, str(REPO / "templates" / f"{template}.py"), str(record), *args,
@@ -135,10 +133,6 @@ def two_ranks(request, tmp_path_factory):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     records = {path.stem: json.loads(path.read_text()) for path in record.glob("*.json")}
     return template, args, output, result, records
-
-
-def metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_runs_are_one_job_of_two_ranks(two_ranks):
@@ -157,7 +151,7 @@ def test_export_and_progress_bar_on_the_main_process_only(two_ranks):
 
 def test_logging_and_printing_happen_once(two_ranks):
     template, _, output, result, _ = two_ranks
-    records = metrics(output)
+    records = read_metrics(output)
     keys = [(record["step"], key) for record in records for key in record if key not in ("step", "time")]
     assert len(keys) == len(set(keys)), "a metric was logged twice for one step"
     assert sum("train/loss" in record for record in records) >= 3
@@ -190,7 +184,7 @@ def test_evaluation_counts_every_validation_sample_once(two_ranks):
         windows = min(len(module.load_corpus(cfg).val), cfg.eval_batches * cfg.batch_size)
         assert windows % (2 * cfg.batch_size), "the last batch should be padded on one rank"
         expected, key = windows * cfg.block_size, "val/tokens"
-    counted = [record[key] for record in metrics(output) if key in record]
+    counted = [record[key] for record in read_metrics(output) if key in record]
     assert counted and all(count == expected for count in counted), (counted, expected)
 
 
@@ -211,7 +205,7 @@ def test_learning_rate_is_scaled_with_the_world_size_as_asked(two_ranks):
         optimizer.step()
         scheduler.step()
         planned[step] = scheduler.get_last_lr()[0]
-    logged = [(record["step"], record["lr"]) for record in metrics(output) if "lr" in record]
+    logged = [(record["step"], record["lr"]) for record in read_metrics(output) if "lr" in record]
     assert logged
     for step, lr in logged:
         assert lr == pytest.approx(planned[step], rel=1e-9), (step, lr, planned[step])

@@ -14,7 +14,6 @@ by one fixture, two at a time, so the waits of one overlap the work of another.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
+from helpers import read_metrics, snapshot, write_tiny_corpus
 from common.errors import read_status
 
 IMAGE = REPO / "templates" / "image_classification.py"
@@ -44,9 +44,9 @@ SEED_OFFSET = int(os.environ.get("FAULT_SEED_OFFSET", "0"))
 # Dropout, shuffling, 2 loader workers, accumulation 2, a checkpoint every 2 steps, 2 epochs.
 # 1438 digits / 96 = 14 micro-batches: 7 optimizer steps per epoch on one process (the last of a
 # single micro-batch), 7 micro-batches = 4 steps per epoch on each of 2 ranks.
-IMAGE_ARGS = ("--epochs", "2", "--width", "8", "--depth", "1", "--batch_size", "96", "--gradient_accumulation_steps", "2",
-              "--dropout", "0.3", "--num_workers", "2", "--checkpoint_every_steps", "2", "--log_every_steps", "1",
-              "--tracker", "none")
+IMAGE_ARGS = ("--epochs", "2", "--width", "8", "--depth", "1", "--batch_size", "96",
+              "--gradient_accumulation_steps", "2", "--dropout", "0.3", "--num_workers", "2",
+              "--checkpoint_every_steps", "2", "--log_every_steps", "1", "--tracker", "none")
 # 380 lines of text in windows of 32 tokens: 19 micro-batches per epoch (batch 16 on one process, 8 on
 # each of 2 ranks), so 10 optimizer steps per epoch with accumulation 2; 14 steps cross an epoch.
 LM_ARGS = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--learning_rate", "1e-2",
@@ -60,7 +60,8 @@ FT_ARGS = ("--max_steps", "12", "--eval_every_steps", "6", "--batch_size", "8", 
            "--warmup_steps", "2", "--sample_tokens", "4", "--tracker", "none")
 FT_LORA = ("--lora_r", "4", "--lora_dropout", "0.1", "--learning_rate", "1e-2")
 LLAMA_UNITS = ("--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer")  # what fsdp.yaml's `Block` is for Llama
-DETERMINISTIC = ("train/loss", "lr", "epoch", "train/skipped_steps", "val/loss", "val/accuracy", "val/samples", "val/bpb")
+DETERMINISTIC = ("train/loss", "lr", "epoch", "train/skipped_steps", "val/loss", "val/accuracy", "val/samples",
+                 "val/bpb")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class Event:
 @dataclass(frozen=True)
 class Cell:
     template: Path
-    config: str | None  # None: `python template.py`; else `accelerate launch` with this config (2 processes unless cpu.yaml)
+    # None: `python template.py`; else `accelerate launch` with this config (2 processes unless cpu.yaml)
+    config: str | None
     events: tuple[Event, ...]
     args: tuple[str, ...] = ()
     again: bool = False  # after the chain, run the finished run once more (it must log nothing twice)
@@ -98,9 +100,11 @@ CELLS = {
     "image-ddp": Cell(IMAGE, "cpu_ddp.yaml", (Event("kill", 4, 2, 3, rank=1), Event("enospc", 5, 4, 5, rank=1),
                                               Event("signal", 6, 6, 7, rank=1, signal="USR1"))),
     "image-fsdp": Cell(IMAGE, "fsdp.yaml", (Event("kill", 7, 2, 7, rank=0),)),
-    "lm-1proc": Cell(LM, "cpu.yaml", (Event("kill", 8, 2, 3), Event("signal_launcher", 9, 4, 5), Event("enospc", 10, 9, 10),
-                                      Event("nan_loss", 11, 11, 13)), args=("--batch_size", "16"), again=True),
-    "lm-ddp": Cell(LM, "cpu_ddp.yaml", (Event("signal_launcher", 12, 2, 4, rank=0), Event("kill_save", 13, 8, 12, rank=0)),
+    "lm-1proc": Cell(LM, "cpu.yaml", (Event("kill", 8, 2, 3), Event("signal_launcher", 9, 4, 5),
+                                      Event("enospc", 10, 9, 10), Event("nan_loss", 11, 11, 13)),
+                     args=("--batch_size", "16"), again=True),
+    "lm-ddp": Cell(LM, "cpu_ddp.yaml", (Event("signal_launcher", 12, 2, 4, rank=0),
+                                        Event("kill_save", 13, 8, 12, rank=0)),
                    args=("--batch_size", "8", "--log_every_steps", "2")),  # off the checkpoint grid (every 3)
     "lm-fsdp": Cell(LM, "fsdp.yaml", (Event("kill", 14, 2, 6, rank=1), Event("kill_save", 15, 8, 12, rank=1)),
                     args=("--batch_size", "8")),
@@ -115,12 +119,6 @@ def cells_with(*faults: str) -> list[str]:
     return [name for name, cell in CELLS.items() if any(e.fault in faults for e in cell.events)]
 
 
-def tiny_text(lines: int = 380) -> str:
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
-    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "\n" for _ in range(lines))
-
-
 # ------------------------------------------------------------------------------------- running
 @dataclass
 class Launch:
@@ -129,7 +127,7 @@ class Launch:
     saves: dict[str, dict]  # checkpoints published in this launch, as they were right after the save
     checkpoints: list[str]  # what the checkpoint folder held afterwards
     progress: dict[str, int]  # and the step each complete one recorded
-    digests: dict[str, dict]  # and each complete one's files (size, mtime, sha256)
+    digests: dict[str, dict]  # and each complete one's files and folders (helpers.snapshot)
     left_running: list[str]
     seconds: float
     status: dict | None = None  # <output_dir>/status.json afterwards
@@ -142,10 +140,12 @@ class Launch:
 
 
 def show(launch: Launch) -> str:
-    return f"exit {launch.result.returncode}\n--- stdout ---\n{launch.result.stdout[-3000:]}\n--- stderr ---\n{launch.result.stderr[-4000:]}"
+    return (f"exit {launch.result.returncode}\n--- stdout ---\n{launch.result.stdout[-3000:]}\n"
+            f"--- stderr ---\n{launch.result.stderr[-4000:]}")
 
 
-def command(template: Path, config: str | None, args: list[str], wrapped: bool, launcher: tuple[str, ...] = ()) -> list[str]:
+def command(template: Path, config: str | None, args: list[str], wrapped: bool,
+            launcher: tuple[str, ...] = ()) -> list[str]:
     script = [str(INJECT), str(template)] if wrapped else [str(template)]
     if config is None:
         return [sys.executable, *script, *args]
@@ -169,14 +169,15 @@ def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fa
     checkpoints = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     progress = {name: json.loads((folder / name / "progress.json").read_text())["step"]
                 for name in checkpoints if (folder / name / "progress.json").is_file()}
-    digests = {name: current_digest(folder / name) for name in progress}
+    digests = {name: snapshot(folder / name) for name in progress}
     return Launch(result, records, saves, checkpoints, progress, digests, wait_for_no_processes(str(out)), seconds,
                   read_status(out))
 
 
 def cell_args(cell: Cell, corpus: Path) -> tuple[str, ...]:
     if cell.template == FT:  # the fixture writes the tiny model and its data beside the corpus
-        return (*FT_ARGS, "--model", str(corpus.parent / "tiny_model"), "--data_path", str(corpus.parent / "reverse.jsonl"),
+        return (*FT_ARGS, "--model", str(corpus.parent / "tiny_model"),
+                "--data_path", str(corpus.parent / "reverse.jsonl"),
                 *cell.args)
     if cell.template == LM:
         return (*LM_ARGS, "--data_path", str(corpus), *cell.args)
@@ -194,7 +195,8 @@ class Chain:
 def run_chain(name: str, root: Path, corpus: Path) -> Chain:
     cell = CELLS[name]
     args = cell_args(cell, corpus)
-    chain = Chain(baseline=run(cell.template, cell.config, root / "baseline", args, launcher=cell.launcher), out=root / "run")
+    baseline = run(cell.template, cell.config, root / "baseline", args, launcher=cell.launcher)
+    chain = Chain(baseline=baseline, out=root / "run")
     for event in cell.events:
         fault = {"FAULT": event.fault, "FAULT_STEP": event.step, "FAULT_RANK": event.rank, "FAULT_SIGNAL": event.signal}
         launch = run(cell.template, cell.config, chain.out, args, fault, launcher=cell.launcher)
@@ -216,8 +218,8 @@ def hung_rank(root: Path) -> dict:
     """Rank 1 of 2 stops (SIGSTOP) before step 3; rank 0 must give up after --timeout_s 10 and say so."""
     out, record = root / "run", root / "records"
     env = clean_env(FAULT="stop", FAULT_STEP="3", FAULT_RANK="1", FAULT_RECORD=str(record))
-    argv = command(IMAGE, "cpu_ddp.yaml", [*IMAGE_ARGS, "--num_workers", "0", "--timeout_s", "10", "--output_dir", str(out)],
-                   wrapped=True)
+    argv = command(IMAGE, "cpu_ddp.yaml",
+                   [*IMAGE_ARGS, "--num_workers", "0", "--timeout_s", "10", "--output_dir", str(out)], wrapped=True)
     launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids: dict[int, int] = {}
     stopped_at = ended_at = None
@@ -259,8 +261,7 @@ def process_state(pid: int) -> str | None:
 def runs(tmp_path_factory, tiny_model):
     """Every run of this module, two at a time; each test reads the ones it is about."""
     root = tmp_path_factory.mktemp("faults")
-    corpus = root / "tiny.txt"
-    corpus.write_text(tiny_text())
+    corpus = write_tiny_corpus(root / "tiny.txt")
     sys.path.insert(0, str(REPO / "scripts"))
     from make_tiny_model import reverse_task
 
@@ -278,12 +279,13 @@ def runs(tmp_path_factory, tiny_model):
         if name.startswith("fp16"):  # the image run stops after 5 steps and resumes, still on fp16 with its scaler
             stop = ("--stop_after_steps", "5") if template == IMAGE else ()
             first = one_run(template, None, root, (*args, *stop), {"FAULT": "inf_loss", "FAULT_STEP": 3})
-            return first, (one_run(template, None, root, args, {"FAULT": "inf_loss", "FAULT_STEP": 0}) if stop else None)
+            again = one_run(template, None, root, args, {"FAULT": "inf_loss", "FAULT_STEP": 0}) if stop else None
+            return first, again
         raise AssertionError(name)
 
     # The hung rank mostly waits: it starts first, beside the longest chain.
-    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc", "fp16-image", "fp16-lm",
-             "ft-fsdp", "ft-1proc", "ft-fsdp-lora", "ft-lora-1proc"]
+    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc", "fp16-image",
+             "fp16-lm", "ft-fsdp", "ft-1proc", "ft-fsdp-lora", "ft-lora-1proc"]
     if os.environ.get("FAULT_JOBS"):  # e.g. FAULT_JOBS=image-ddp,hung-rank: only these (the other tests then fail)
         order = [name for name in order if name in os.environ["FAULT_JOBS"].split(",")]
 
@@ -306,10 +308,6 @@ def get(runs, name):
 
 
 # ------------------------------------------------------------------------------------- helpers
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def deterministic(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in ("step", *DETERMINISTIC) if k in r} for r in records]
 
@@ -324,11 +322,6 @@ PROGRESS_BAR = re.compile(r"^train:\s+\d+%\|")
 
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
-
-
-def current_digest(folder: Path) -> dict[str, list]:
-    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()]
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def newest(launch: Launch) -> str:
@@ -357,7 +350,7 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
     assert sorted(reference) == sorted(resumed)
     assert [k for k in reference if not torch.equal(reference[k], resumed[k])] == []
     # The same metrics at every step too: lines after a resumed checkpoint were dropped and written again.
-    assert deterministic(metrics(out)) == deterministic(metrics(base))
+    assert deterministic(read_metrics(out)) == deterministic(read_metrics(base))
     assert final.left_running == [] and not list((out / "checkpoints").glob(".tmp-*"))
     if chain.again is not None:  # resuming the finished run reports it again and logs nothing twice
         again, logged = chain.again
@@ -368,13 +361,15 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(runs, name):
 
 def exported_weights(out: Path) -> str:
     """The export's weights: the templates' model.safetensors, or a fine-tuned model's (or LoRA adapter's) in model/."""
-    candidates = [out / "model.safetensors", out / "model" / "model.safetensors", out / "model" / "adapter_model.safetensors"]
+    candidates = [out / "model.safetensors", out / "model" / "model.safetensors",
+                  out / "model" / "adapter_model.safetensors"]
     return str(next((path for path in candidates if path.is_file()), candidates[0]))
 
 
 def faults(chain: Chain, *kinds: str):
     """(launch, the launch after it, the step drawn) for each event of these kinds."""
-    return [(l, f, l.step) for l, f in zip(chain.launches, chain.launches[1:]) if l.event.fault in kinds]
+    return [(first, following, first.step) for first, following in zip(chain.launches, chain.launches[1:])
+            if first.event.fault in kinds]
 
 
 def one_error_line(launch: Launch, direct: bool) -> str:
@@ -382,7 +377,8 @@ def one_error_line(launch: Launch, direct: bool) -> str:
     lines = sorted(set(error_lines(launch.result.stderr)))  # accelerate's own report repeats the child's stderr
     assert len(lines) == 1, show(launch)
     if direct:  # nothing else on stderr but the progress bar it closed first
-        rest = [line for line in re.split(r"[\r\n]+", launch.result.stderr) if line.strip() and not PROGRESS_BAR.match(line)]
+        rest = [line for line in re.split(r"[\r\n]+", launch.result.stderr)
+                if line.strip() and not PROGRESS_BAR.match(line)]
         assert rest == lines, show(launch)
         assert "Traceback" not in launch.output
     return lines[0]
@@ -407,7 +403,8 @@ def test_sigkill_at_a_drawn_step_or_mid_save_and_the_restart_resumes_before_it(r
         assert len(tmp) == 1, launch.checkpoints
         interrupted = int(tmp[0].rsplit("_", 1)[1])
         assert interrupted >= step and acting["steps_done"] == interrupted, (step, tmp, acting)
-        assert f"ignoring incomplete checkpoint {chain.out / 'checkpoints' / tmp[0]} (its save was interrupted)" in following.result.stdout
+        ignored = chain.out / "checkpoints" / tmp[0]
+        assert f"ignoring incomplete checkpoint {ignored} (its save was interrupted)" in following.result.stdout
         assert resumed_step(following) is not None and resumed_step(following) < interrupted, following.result.stdout
 
 
@@ -416,19 +413,21 @@ def test_preemption_signal_stops_every_rank_at_one_step_with_a_checkpoint_and_ex
     chain = get(runs, name)
     for launch, following, step in faults(chain, "signal", "signal_launcher"):
         event = launch.event
-        assert launch.records and all(r["exit_code"] == 75 for r in launch.records.values()), (launch.records, show(launch))
+        assert launch.records, show(launch)
+        assert all(r["exit_code"] == 75 for r in launch.records.values()), (launch.records, show(launch))
         stopped = {r["steps_done"] for r in launch.records.values()}
         assert len(stopped) == 1, launch.records  # every rank stopped after the same step
         stop = stopped.pop()
         if event.fault == "signal":  # sent to one rank only, just before this step: the ranks finish it, then stop
             assert stop == step, (step, launch.records)
         else:  # the launcher passes it on while the ranks train: they stop a step or so later, before the next fault
-            later = [l.event.low for l in chain.launches[chain.launches.index(launch) + 1:-1]]
+            later = [each.event.low for each in chain.launches[chain.launches.index(launch) + 1:-1]]
             assert step <= stop < min(later, default=math.inf), (step, stop)
         if CELLS[name].config is None:
             assert launch.result.returncode == 75
         # Every rank learns which signal stopped the job, also from another rank (rank 0 prints the line).
-        assert f"stopped at step {stop} by SIG{event.signal} (preemption); checkpoint saved" in launch.result.stdout, show(launch)
+        stopped_line = f"stopped at step {stop} by SIG{event.signal} (preemption); checkpoint saved"
+        assert stopped_line in launch.result.stdout, show(launch)
         periodic = [n for n in launch.checkpoints if n.startswith("step_")]
         assert periodic[-1] == f"step_{stop:08d}" and launch.progress[periodic[-1]] == stop, launch.checkpoints
         assert not [n for n in launch.checkpoints if n.startswith(".tmp-")]
@@ -443,8 +442,9 @@ def test_full_disk_during_a_save_stops_every_rank_with_one_line_and_keeps_the_pr
         assert {r["exit_code"] for r in launch.records.values()} == {4}, (launch.records, show(launch))
         assert launch.seconds < 120  # every rank learned of it at once, none waited for --timeout_s (600)
         line = one_error_line(launch, direct=CELLS[name].config is None)
-        failed = re.match(r"error: saving checkpoint (\S+) failed: \[Errno 28\] No space left on device: \S+( \(on rank 1\))?; "
-                          r"the previous checkpoints are intact \(newest: (\S+)\), and the incomplete (\S+) is ignored on resume$", line)
+        failed = re.match(r"error: saving checkpoint (\S+) failed: \[Errno 28\] No space left on device: "
+                          r"\S+( \(on rank 1\))?; the previous checkpoints are intact \(newest: (\S+)\), "
+                          r"and the incomplete (\S+) is ignored on resume$", line)
         assert failed, line
         assert bool(failed.group(2)) == (launch.event.rank == 1)  # names the rank whose disk was full
         failed_step = int(failed.group(1).rsplit("_", 1)[1])
@@ -452,7 +452,8 @@ def test_full_disk_during_a_save_stops_every_rank_with_one_line_and_keeps_the_pr
         assert failed.group(4) == f".tmp-{Path(failed.group(1)).name}" and failed.group(4) in launch.checkpoints
         assert failed.group(3) == newest(launch)
         assert_checkpoints_untouched(chain, launch)  # ... and what was saved before is as it was
-        assert f"ignoring incomplete checkpoint {chain.out / 'checkpoints' / failed.group(4)}" in following.result.stdout
+        ignored = chain.out / "checkpoints" / failed.group(4)
+        assert f"ignoring incomplete checkpoint {ignored}" in following.result.stdout
         assert resumed_step(following) == launch.progress[newest(launch)], following.result.stdout
         assert launch.left_running == []
 
@@ -463,7 +464,8 @@ def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint_stays_intac
     for launch, following, step in faults(chain, "nan_loss"):
         assert {r["exit_code"] for r in launch.records.values()} == {3}, (launch.records, show(launch))
         line = one_error_line(launch, direct=CELLS[name].config is None)
-        assert line.startswith(f"error: non-finite gradients at step {step} ") and "the last good checkpoint is kept" in line
+        assert line.startswith(f"error: non-finite gradients at step {step} "), line
+        assert "the last good checkpoint is kept" in line, line
         assert max(launch.progress.values()) < step and not [n for n in launch.checkpoints if n.startswith(".tmp-")]
         assert_checkpoints_untouched(chain, launch)
         assert resumed_step(following) == launch.progress[newest(launch)]
@@ -505,7 +507,8 @@ def test_hung_rank_ends_the_job_within_timeout_s_with_one_clear_line(runs):
     assert 9 <= hung["waited"] <= 10 + 20, hung["waited"]  # --timeout_s 10, and not much later
     assert hung["records"][0]["exit_code"] == 5, hung["records"]
     lines = error_lines(hung["stderr"])
-    assert lines and lines[0].startswith("error: rank 0: another rank died or did not answer within --timeout_s ("), hung["stderr"][-3000:]
+    expected = "error: rank 0: another rank died or did not answer within --timeout_s ("
+    assert lines and lines[0].startswith(expected), hung["stderr"][-3000:]
     assert "Timed out waiting 10000ms" in lines[0] and "resume with --resume auto" in lines[0]
     assert hung["returncode"] != 0 and hung["left"] == []
     assert hung["status"]["state"] == "failed" and hung["status"]["exit_code"] == 5, hung["status"]
@@ -521,11 +524,13 @@ def test_fp16_overflow_is_skipped_by_the_scaler_counted_and_training_goes_on(run
     assert first.result.returncode == 0, show(first)
     if second is not None:
         assert second.result.returncode == 0 and "resumed from" in second.result.stdout, show(second)
-    logged = {r["step"]: r for r in metrics(out) if "train/skipped_steps" in r}
+    logged = {r["step"]: r for r in read_metrics(out) if "train/skipped_steps" in r}
     assert sorted(logged) == list(range(1, 15))
-    assert [logged[s]["train/skipped_steps"] for s in range(1, 15)] == [0, 0] + [1] * 12  # counted (image: over a resume)
+    # counted (image: over a resume)
+    assert [logged[s]["train/skipped_steps"] for s in range(1, 15)] == [0, 0] + [1] * 12
     assert logged[3]["train/loss"] is None  # the inf, written as null
     assert all(logged[s]["train/loss"] is not None and math.isfinite(logged[s]["train/loss"]) for s in logged if s != 3)
-    assert all((p / "scaler.pt").is_file() for p in (out / "checkpoints").iterdir())  # the scaler's state is checkpointed
+    # the scaler's state is checkpointed
+    assert all((p / "scaler.pt").is_file() for p in (out / "checkpoints").iterdir())
     weights = load_file(str(out / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())

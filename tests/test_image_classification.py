@@ -7,7 +7,6 @@ so each happens once per session.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
+from helpers import read_metrics, snapshot
 from common.errors import read_status
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
@@ -45,16 +45,13 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def run_template(config: str, output_dir: Path, *args: str, num_processes: int | None = None) -> subprocess.CompletedProcess:
+def run_template(config: str, output_dir: Path, *args: str,
+                 num_processes: int | None = None) -> subprocess.CompletedProcess:
     return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes))
 
 
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def val_records(output_dir: Path) -> list[dict]:
-    return [record for record in metrics(output_dir) if "val/accuracy" in record]
+    return [record for record in read_metrics(output_dir) if "val/accuracy" in record]
 
 
 def optimizer_steps(stdout: str) -> int:
@@ -172,7 +169,8 @@ def ddp_baseline(tmp_path_factory):
 def test_cpu_run_writes_the_documented_outputs(plain_run):
     out, result = plain_run
     assert "NO on cpu, 1 process(es)" in result.stdout
-    assert re.search(r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$", result.stdout, re.M), result.stdout
+    final = r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$"
+    assert re.search(final, result.stdout, re.M), result.stdout
     run = json.loads((out / "run.json").read_text())
     assert run["template"] == "image_classification" and run["config"]["epochs"] == 2
     vals = val_records(out)
@@ -238,7 +236,7 @@ def test_learning_rate_follows_the_schedule_per_optimizer_step(processes, single
     """On N ranks the schedule must still advance once per optimizer step (accelerate's default is N times)."""
     out = (single_baseline if processes == 1 else ddp_baseline)[0]
     total = 2 * EXACT_STEPS_PER_EPOCH[processes]
-    logged = [record for record in metrics(out) if "lr" in record]
+    logged = [record for record in read_metrics(out) if "lr" in record]
     assert logged
     for record in logged:
         assert record["lr"] == pytest.approx(_expected_lr(record["step"], total), rel=1e-9), record
@@ -253,7 +251,8 @@ def test_fsdp_trains_sharded_resumes_and_exports(tmp_path, ddp_baseline):
     assert not (out / "model.safetensors").exists()
     checkpoint = out / "checkpoints" / "step_00000004"
     # SHARDED_STATE_DICT: one shard per rank of the model and of the optimizer, no full copy.
-    assert sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    shards = sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert len(list((checkpoint / "optimizer_0").glob("*.distcp"))) == 2
     assert not (checkpoint / "model.safetensors").exists()
 
@@ -296,7 +295,8 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     assert f"at step {first_stop} (epoch 0, batch {2 * first_stop})" in result.stdout
     assert f"stopped at step {second_stop}" in result.stdout
     progress = progress_of(out / "checkpoints" / f"step_{second_stop:08d}")
-    assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))  # crossed into epoch 2
+    # crossed into epoch 2
+    assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))
 
     result = run_template(config, out, *EXACT, "--resume", "auto")
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
@@ -354,17 +354,10 @@ BAD_INPUTS = {
 MODES = ("python", "accelerate")
 
 
-def snapshot(folder: Path) -> dict[str, tuple]:
-    return {
-        str(path.relative_to(folder)): (path.is_dir(), path.stat().st_mtime_ns,
-                                        None if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest())
-        for path in sorted(folder.rglob("*"))
-    }
-
-
 @pytest.fixture(scope="module")
 def bad_runs(plain_run, tmp_path_factory):
-    """Every bad invocation, both ways, pointed at a copy of a finished run's output folder (concurrently: they are short)."""
+    """Every bad invocation, both ways, pointed at a copy of a finished run's output folder (concurrently: they
+    are short)."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
     existing = tmp / "existing_run"
@@ -437,7 +430,8 @@ def write_images(root: Path, per_class: int, start: int = 0) -> None:
             draw(kind, index).save(root / kind / f"{index:03d}.png")
 
 
-DATA_ARGS = ("--image_size", "16", "--epochs", "3", "--batch_size", "8", "--width", "8", "--depth", "1", "--tracker", "none")
+DATA_ARGS = ("--image_size", "16", "--epochs", "3", "--batch_size", "8", "--width", "8", "--depth", "1",
+             "--tracker", "none")
 
 
 @pytest.mark.parametrize("layout", ["flat", "train-val"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
+from helpers import read_metrics, tiny_text
 
 TEMPLATE = REPO / "templates" / "language_model.py"
 STEPS = 14
@@ -60,28 +60,16 @@ def template():
     return load_template("language_model")
 
 
-def tiny_text(lines: int = 380) -> str:
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
-    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "\n" for _ in range(lines))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
-    path.write_text(tiny_text())
-    return path
-
-
 def run(config: str, out: Path, corpus: Path, *extra: str, script: Path = TEMPLATE) -> subprocess.CompletedProcess:
-    result = launch(config, script, "--data_path", str(corpus), "--output_dir", str(out), *TINY, *extra, num_processes=2 if config != "cpu.yaml" else None)
+    result = launch(config, script, "--data_path", str(corpus), "--output_dir", str(out), *TINY, *extra,
+                    num_processes=2 if config != "cpu.yaml" else None)
     assert result.returncode == 0, f"{config} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
 
 def metrics(out: Path, key: str) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in records if key in r}
+    """One metric of a run, by step."""
+    return {r["step"]: r[key] for r in read_metrics(out) if key in r}
 
 
 def assert_loss_falls(out: Path) -> None:
@@ -205,7 +193,8 @@ def test_fsdp_export_loads_into_a_plain_model_with_the_same_logits(fsdp_runs):
     lm = template()
     info = export_info(whole / "model.safetensors")  # the export alone says how to rebuild its model
     assert info == json.loads((whole / "run.json").read_text())["model"] and info["byte_level"] is True
-    assert info["model"] == {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.1}
+    assert info["model"] == {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                             "dropout": 0.1}
     model = lm.GPT(**info["model"])
     load_exported(model, whole / "model.safetensors")
     probe = torch.load(probe_file)
@@ -260,7 +249,8 @@ def test_text_folder_splits_by_file(tmp_path):
 def test_init_from_loads_an_export_also_for_shorter_sequences(tmp_path):
     lm = template()
     export = tiny_export(tmp_path / "model.safetensors", block_size=32)
-    model = lm.build_model(config(lm, "--init_from", str(export), "--n_layer", "1", "--n_head", "2", "--n_embd", "32"), vocab_size=256)
+    model = lm.build_model(config(lm, "--init_from", str(export), "--n_layer", "1", "--n_head", "2", "--n_embd", "32"),
+                           vocab_size=256)
     saved = load_file(str(export))
     assert model.block_size == 32  # --block_size 16 trains on the export's first 16 positions
     assert all(torch.equal(p, saved[k]) for k, p in model.state_dict().items())
@@ -286,16 +276,20 @@ def bad_input(case: str, folder: Path, corpus: Path) -> tuple[list[str], str]:
         return ["--data_path", str(folder / "odd.bin")], "has 3 bytes, not a multiple of 2"
     if case == "sequence longer than the model":
         export = tiny_export(folder / "short.safetensors", block_size=32)
-        return ["--data_path", str(corpus), "--init_from", str(export), "--block_size", "64"], "--block_size 64 is longer than the 32 positions"
+        return (["--data_path", str(corpus), "--init_from", str(export), "--block_size", "64"],
+                "--block_size 64 is longer than the 32 positions")
     assert case == "export of another shape"
     export = tiny_export(folder / "wide.safetensors", n_embd=48)
-    return ["--data_path", str(corpus), "--init_from", str(export), "--block_size", "32"], "does not fit this model: shape of"
+    return (["--data_path", str(corpus), "--init_from", str(export), "--block_size", "32"],
+            "does not fit this model: shape of")
 
 
-@pytest.mark.parametrize("case", ["empty corpus", "odd-sized token file", "sequence longer than the model", "export of another shape"])
+@pytest.mark.parametrize("case", ["empty corpus", "odd-sized token file", "sequence longer than the model",
+                                  "export of another shape"])
 def test_bad_input_is_one_error_line(tmp_path, corpus, case):
     args, message = bad_input(case, tmp_path, corpus)
-    args += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--tracker", "none", "--output_dir", str(tmp_path / "run"), "--max_steps", "2"]
+    args += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--tracker", "none",
+             "--output_dir", str(tmp_path / "run"), "--max_steps", "2"]
     result = subprocess.run([sys.executable, str(TEMPLATE), *args], cwd=REPO, env=clean_env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -94,7 +94,8 @@ def test_warmup_cosine_shape():
     assert all(a > b for a, b in zip(lrs[warmup:total], lrs[warmup + 1 : total + 1]))  # then only falls
     for fraction in (0.25, 0.5, 0.75):  # a cosine, not a straight line, between the peak and the floor
         cosine = 0.5 * (1 + math.cos(math.pi * fraction))
-        assert lrs[warmup + int(fraction * (total - warmup))] == pytest.approx(2.0 * (min_ratio + (1 - min_ratio) * cosine))
+        expected = 2.0 * (min_ratio + (1 - min_ratio) * cosine)
+        assert lrs[warmup + int(fraction * (total - warmup))] == pytest.approx(expected)
     assert lrs[total] == pytest.approx(2.0 * min_ratio)  # ends at min_ratio of the peak ...
     assert lrs[total:] == pytest.approx([2.0 * min_ratio] * 5)  # ... and stays there
 

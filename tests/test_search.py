@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from conftest import CONFIGS, REPO, clean_env, free_port, processes_mentioning, wait_for_no_processes
+from helpers import read_metrics
 
 from search import runner as search_module
 from search import seeds as seeds_module
@@ -102,7 +103,8 @@ def test_every_wandb_distribution_the_runner_accepts_samples_inside_its_range(tm
         assert 0.01 <= values["inv"] <= 10.0
         assert type(values["qu"]) is int and values["qu"] % 32 == 0 and 0 <= values["qu"] <= 256
         assert type(values["qlu"]) is int and values["qlu"] % 8 == 0 and 8 <= values["qlu"] <= 512
-        assert type(values["qlu_float"]) is float and abs(values["qlu_float"] / 0.01 - round(values["qlu_float"] / 0.01)) < 1e-9
+        steps = values["qlu_float"] / 0.01
+        assert type(values["qlu_float"]) is float and abs(steps - round(steps)) < 1e-9
         for name, value in values.items():
             seen[name].add(json.dumps(value))
     assert all(len(v) > 1 for name, v in seen.items() if name != "const"), seen
@@ -111,20 +113,24 @@ def test_every_wandb_distribution_the_runner_accepts_samples_inside_its_range(tm
     assert 0.3 < sum(d < 1e-3 for d in draws) / len(draws) < 0.7
 
 
+RANDOM = "method: random\nmetric: {name: a}\nparameters:\n"  # the head of most sweep files below
+
+
 @pytest.mark.parametrize("text, expected", [
     (None, "not found"),
     ("method: [unclosed", "not valid YAML"),
     ("- just\n- a list\n", "expected a mapping"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: bogus, min: 1, max: 2}\n", "parameter lr: unknown distribution 'bogus'"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: normal, mu: 0.0, sigma: 1.0}\n", "parameter lr: normal cannot be searched locally"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {values: [1, 2], probabilities: [0.5, 0.5]}\n", "parameter lr: categorical_w_probabilities"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  opt: {parameters: {lr: {value: 1}}}\n", "parameter opt: nested parameters"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: log_uniform_values, min: 1e-4, max: 1.0e-2}\n", "parameter lr: min: '1e-4' is text to YAML"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {min: 0.5, max: 0.1}\n", "lr: min 0.5 is not less than max 0.1"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {distribution: log_uniform, min: -9.0, max: -2.0}\n", "lr uses log_uniform"),
+    (RANDOM + "  lr: {distribution: bogus, min: 1, max: 2}\n", "parameter lr: unknown distribution 'bogus'"),
+    (RANDOM + "  lr: {distribution: normal, mu: 0.0, sigma: 1.0}\n", "parameter lr: normal cannot be searched locally"),
+    (RANDOM + "  lr: {values: [1, 2], probabilities: [0.5, 0.5]}\n", "parameter lr: categorical_w_probabilities"),
+    (RANDOM + "  opt: {parameters: {lr: {value: 1}}}\n", "parameter opt: nested parameters"),
+    (RANDOM + "  lr: {distribution: log_uniform_values, min: 1e-4, max: 1.0e-2}\n",
+     "parameter lr: min: '1e-4' is text to YAML"),
+    (RANDOM + "  lr: {min: 0.5, max: 0.1}\n", "lr: min 0.5 is not less than max 0.1"),
+    (RANDOM + "  lr: {distribution: log_uniform, min: -9.0, max: -2.0}\n", "lr uses log_uniform"),
     ("method: sometimes\nmetric: {name: a}\nparameters:\n  lr: {value: 1}\n", "'sometimes' is not one of"),
     ("method: random\nparameters:\n  lr: {value: 1}\n", "needs `metric:"),
-    ("method: random\nmetric: {name: a}\nparameters:\n  lr: {value: 1}\ncommand: [python, train.py]\n", "command needs ${args}"),
+    (RANDOM + "  lr: {value: 1}\ncommand: [python, train.py]\n", "command needs ${args}"),
     ("method: random\nmetric: {name: a}\nparameters:\n  output_dir: {value: x}\n", "parameter output_dir"),
 ])
 def test_bad_sweep_file_is_one_error_line_and_exit_2(tmp_path, capsys, text, expected):
@@ -195,7 +201,8 @@ def test_hyperband_settings_map_to_optunas_pruner(tmp_path):
 
 
 def test_sampler_is_seeded_per_trial(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, parameters={"lr": {"distribution": "log_uniform_values", "min": 1.0e-5, "max": 1.0}}))
+    sweep = load_sweep(write_sweep(tmp_path, parameters={"lr": {"distribution": "log_uniform_values", "min": 1.0e-5,
+                                                                "max": 1.0}}))
 
     def draws(seed, kind):
         study = optuna.create_study(sampler=make_sampler(kind, sweep, seed))
@@ -213,10 +220,12 @@ def test_sampler_is_seeded_per_trial(tmp_path):
 
 
 def test_trial_command_is_the_sweep_command_with_macros_filled(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, command=["${env}", "accelerate", "launch", "--config_file", "c.yaml", "${program}", "${args}", "--x=1"]))
+    sweep = load_sweep(write_sweep(tmp_path, command=["${env}", "accelerate", "launch", "--config_file", "c.yaml",
+                                                      "${program}", "${args}", "--x=1"]))
     argv = build_command(sweep, {"lr": 0.5, "aug": True, "w": [1, 2]}, ["--epochs=3"], "/out")
     assert argv[:3] == ["/usr/bin/env", "accelerate", "launch"] and argv[3].startswith("--main_process_port=")
-    assert argv[4:] == ["--config_file", "c.yaml", str(FAKE), "--lr=0.5", "--aug=True", "--w=[1, 2]", "--epochs=3", "--output_dir=/out", "--x=1"]
+    assert argv[4:] == ["--config_file", "c.yaml", str(FAKE), "--lr=0.5", "--aug=True", "--w=[1, 2]", "--epochs=3",
+                        "--output_dir=/out", "--x=1"]
 
 
 # ------------------------------------------------------------------------------------ trial runner
@@ -248,7 +257,8 @@ def test_stopped_trial_takes_its_whole_process_group_down(tmp_path, ignore_term)
 def test_failed_trial_reports_its_last_error_line(tmp_path):
     result = run_trial([sys.executable, str(FAKE), f"--output_dir={tmp_path / 'a'}", "--crash=out of cheese"],
                        tmp_path / "a", "val/accuracy", poll_s=0.05)
-    assert result.state == "failed" and result.error == "exit 1: RuntimeError: out of cheese"  # not the launcher's error
+    # the trial's own error, not the launcher's
+    assert result.state == "failed" and result.error == "exit 1: RuntimeError: out of cheese"
     result = run_trial([sys.executable, str(FAKE), f"--output_dir={tmp_path / 'b'}", "--fail=no such data"],
                        tmp_path / "b", "val/accuracy", poll_s=0.05)
     assert result.state == "failed" and result.error == "exit 2: error: no such data"
@@ -339,7 +349,8 @@ def test_failed_trials_are_marked_failed_with_their_error(tmp_path):
 
 
 def test_metric_the_trial_never_logs_is_a_usage_error(tmp_path):
-    sweep = write_sweep(tmp_path, metric={"name": "val/accuracy", "goal": "maximize"}, parameters={"metric": {"value": "val/acc"}})
+    sweep = write_sweep(tmp_path, metric={"name": "val/accuracy", "goal": "maximize"},
+                        parameters={"metric": {"value": "val/acc"}})
     done = cli("search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "3")
     assert done.returncode == 2
     line = one_error_line(done.stderr)
@@ -415,12 +426,13 @@ def test_search_finishes_prunes_and_leaves_no_process(image_search):
     dirs = [t["output_dir"] for t in results["trials"]]
     assert len(set(dirs)) == len(dirs)
     for trial in results["trials"]:
-        logged = [json.loads(line) for line in (Path(trial["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        logged = read_metrics(Path(trial["output_dir"]))
         accuracies = [r["val/accuracy"] for r in logged if "val/accuracy" in r]
         assert trial["evals"] <= len(accuracies) <= 3
         if trial["state"] == "complete":
             assert len(accuracies) == 3 and trial["value"] == accuracies[-1]
-        assert json.loads((Path(trial["output_dir"]) / "run.json").read_text())["config"]["learning_rate"] == trial["args"]["learning_rate"]
+        config = json.loads((Path(trial["output_dir"]) / "run.json").read_text())["config"]
+        assert config["learning_rate"] == trial["args"]["learning_rate"]
     best = max((t for t in results["trials"] if t["state"] == "complete"), key=lambda t: t["value"])
     assert results["best"]["number"] == best["number"] and results["best"]["params"] == best["args"]
     assert "best parameters: --learning_rate=" in done.stdout
@@ -439,7 +451,7 @@ def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search,
     assert report["params"] == best["params"] and report["extra_args"] == TINY_IMAGE == best["extra_args"]
     values = []
     for run in report["seeds"]:
-        logged = [json.loads(line) for line in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        logged = read_metrics(Path(run["output_dir"]))
         assert run["value"] == [r["val/accuracy"] for r in logged if "val/accuracy" in r][-1]
         config = json.loads((Path(run["output_dir"]) / "run.json").read_text())["config"]
         assert config["seed"] == run["seed"] and (config["epochs"], config["width"]) == (3, 8)
@@ -494,8 +506,8 @@ def run_workers(sweep: Path, out: Path, n_trials: int, *extra: str, workers: int
 
 def test_two_workers_share_a_journal_without_running_a_trial_twice(tmp_path):
     ledger = tmp_path / "ledger"
-    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)},
-                                              "sleep": {"value": 0.15}})
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9},
+                                              "ledger": {"value": str(ledger)}, "sleep": {"value": 0.15}})
     out = tmp_path / "out"
     run_workers(sweep, out, 8)
     from optuna.storages.journal import JournalFileBackend, JournalStorage
@@ -571,7 +583,8 @@ def test_results_writers_take_turns_so_the_last_write_holds_the_latest_state(tmp
 def test_grid_search_runs_each_point_once_and_stops(tmp_path):
     ledger = tmp_path / "ledger"
     sweep = write_sweep(tmp_path, method="grid", parameters={"learning_rate": {"values": [0.2, 0.4, 0.6]},
-                                                             "evals": {"min": 1, "max": 2}, "ledger": {"value": str(ledger)}})
+                                                             "evals": {"min": 1, "max": 2},
+                                                             "ledger": {"value": str(ledger)}})
     done = cli("search", "--sweep", str(sweep), "--output_dir", str(tmp_path / "out"), "--n_trials", "10")
     assert done.returncode == 0, done.stdout + done.stderr
     trials = load_results(tmp_path / "out", "fake")["trials"]
@@ -582,7 +595,8 @@ def test_grid_search_runs_each_point_once_and_stops(tmp_path):
 
 def test_restarted_study_continues_and_fails_the_trial_its_killed_worker_left(tmp_path):
     ledger = tmp_path / "ledger"
-    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)}})
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9},
+                                              "ledger": {"value": str(ledger)}})
     out = tmp_path / "out"
     worker = start_cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "3",
                        "--", "--evals=100", "--sleep=0.2")
@@ -641,7 +655,8 @@ def test_running_trial_without_heartbeat_is_failed_only_when_stale(tmp_path):
 # --------------------------------------------------------------------------------------- postgres
 def postgres_bin_dir() -> Path | None:
     candidates = [os.environ.get("PG_BIN"), os.path.dirname(shutil.which("initdb") or "")]
-    candidates += sorted((str(p) for p in Path("/usr/lib/postgresql").glob("*/bin")), key=lambda p: int(Path(p).parent.name))[::-1]
+    installed = Path("/usr/lib/postgresql").glob("*/bin")
+    candidates += sorted((str(p) for p in installed), key=lambda p: int(Path(p).parent.name))[::-1]
     for candidate in candidates:
         if candidate and (Path(candidate) / "initdb").is_file() and (Path(candidate) / "pg_ctl").is_file():
             return Path(candidate)
@@ -676,24 +691,25 @@ def postgres_url():
     port = free_port()
     data = base / "data"
     try:
-        subprocess.run([*run_as, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8",
-                        "--no-sync"], check=True, capture_output=True, text=True, timeout=120)
-        subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"), "-w", "-t", "60",
-                        "-o", f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off", "start"],
-                       check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([*run_as, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
+                        "-E", "UTF8", "--no-sync"], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"),
+                        "-w", "-t", "60", "-o", f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off",
+                        "start"], check=True, capture_output=True, text=True, timeout=120)
     except subprocess.CalledProcessError as error:
         log = (base / "server.log").read_text() if (base / "server.log").is_file() else ""
         shutil.rmtree(base, ignore_errors=True)
         pytest.fail(f"PostgreSQL did not start: {error.stderr or error.stdout}{log[-2000:]}")
     yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True, timeout=60)
+    subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                   capture_output=True, timeout=60)
     shutil.rmtree(base, ignore_errors=True)
 
 
 def test_two_workers_share_a_postgresql_study(tmp_path, postgres_url):
     ledger = tmp_path / "ledger"
-    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9}, "ledger": {"value": str(ledger)},
-                                              "sleep": {"value": 0.15}})
+    sweep = write_sweep(tmp_path, parameters={"learning_rate": {"min": 0.1, "max": 0.9},
+                                              "ledger": {"value": str(ledger)}, "sleep": {"value": 0.15}})
     run_workers(sweep, tmp_path / "out", 6, "--storage", postgres_url, "--study_name", "pg")
     check_shared_study(postgres_url, "pg", ledger, 6, 2)
     assert not (tmp_path / "out" / "pg" / "journal.log").exists()

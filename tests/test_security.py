@@ -56,7 +56,8 @@ def finished_run(tmp_path_factory) -> Path:
 # ------------------------------------------------------------------------------------ pickles
 # random_states: accelerate would load it weights-only too, but swallow the refusal and resume inexactly.
 @pytest.mark.parametrize("victim", ["random_states_0.pkl", "optimizer.bin"])
-def test_a_checkpoint_file_holding_a_malicious_pickle_is_refused_and_its_code_never_runs(finished_run, tmp_path, victim):
+def test_a_checkpoint_file_holding_a_malicious_pickle_is_refused_and_its_code_never_runs(finished_run, tmp_path,
+                                                                                         victim):
     checkpoint = tmp_path / "downloaded"
     shutil.copytree(sorted((finished_run / "checkpoints").glob("step_*"))[-1], checkpoint)
     marker = tmp_path / f"pwned_{uuid.uuid4().hex}"
@@ -101,7 +102,8 @@ def test_sharded_checkpoint_pickles_are_checked_too(tmp_path):
     shutil.copytree(good, bad_metadata)
     metadata = bad_metadata / "pytorch_model_fsdp_0" / ".metadata"
     metadata.write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(UsageError, match=r"refused pytorch_model_fsdp_0: it holds more than plain data.*posix.system is not allowed"):
+    with pytest.raises(UsageError, match=r"refused pytorch_model_fsdp_0: it holds more than plain data"
+                                         r".*posix.system is not allowed"):
         check_pickles(bad_metadata)
     assert not marker.exists()
 
@@ -149,7 +151,8 @@ def test_wandb_api_key_is_in_no_file_and_no_log_of_a_real_run(tmp_path):
     assert secret not in result.stdout + result.stderr
     files = [p for p in out.rglob("*") if p.is_file()]
     kinds = {p.name for p in files} | {p.suffix for p in files}
-    assert {"run.json", "metrics.jsonl", "progress.json", "model.safetensors", ".wandb", "debug.log"} <= kinds, sorted(kinds)
+    expected = {"run.json", "metrics.jsonl", "progress.json", "model.safetensors", ".wandb", "debug.log"}
+    assert expected <= kinds, sorted(kinds)
     assert [str(p) for p in files if secret.encode() in p.read_bytes()] == []
 
 
@@ -171,8 +174,9 @@ def test_sweep_values_full_of_shell_syntax_reach_the_trial_verbatim_and_run_noth
     marker = Path("/tmp") / f"pwned_{uuid.uuid4().hex}"
     values = [f"x; touch {marker}_1", f"$(touch {marker}_2)", f"`touch {marker}_3`", f"x && touch {marker}_4 | cat",
               f"'; touch {marker}_5; '", f"x\ntouch {marker}_6"]
-    sweep = {"name": "shell", "program": str(probe), "method": "grid", "metric": {"name": "val/accuracy", "goal": "maximize"},
-             "parameters": {"note": {"values": values}}, "command": ["${env}", "${interpreter}", "${program}", "${args}"]}
+    sweep = {"name": "shell", "program": str(probe), "method": "grid",
+             "metric": {"name": "val/accuracy", "goal": "maximize"}, "parameters": {"note": {"values": values}},
+             "command": ["${env}", "${interpreter}", "${program}", "${args}"]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
     result = run("-m", "search", "--sweep", str(tmp_path / "sweep.yaml"), "--output_dir", str(tmp_path / "out"),
                  "--n_trials", str(len(values)))

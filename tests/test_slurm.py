@@ -19,8 +19,23 @@ from pathlib import Path
 from conftest import REPO, clean_env, wait_for_no_processes
 
 SCRIPT = REPO / "scripts" / "slurm_train.sbatch"
-ARGS = ("--epochs", "30", "--width", "8", "--depth", "1", "--batch_size", "96", "--num_workers", "1", "--log_every_steps", "1",
-        "--tracker", "none")
+ARGS = ("--epochs", "30", "--width", "8", "--depth", "1", "--batch_size", "96", "--num_workers", "1",
+        "--log_every_steps", "1", "--tracker", "none")
+
+
+def slurm_env(tmp_path: Path, job_id: str, config: str, **extra: str) -> tuple[dict[str, str], Path]:
+    """The environment of a batch job `job_id` that runs tests/fault_inject.py with accelerate_configs/`config`,
+    with an `scontrol` stub first on PATH that appends its arguments to the returned file, one call a line."""
+    fake_bin, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    env = clean_env(
+        PATH=os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO), ACCELERATE_CONFIG=f"accelerate_configs/{config}",
+        TEMPLATE="tests/fault_inject.py", **extra,
+    )
+    return env, calls
 
 
 def test_the_script_asks_slurm_for_what_the_readme_says():
@@ -32,15 +47,9 @@ def test_the_script_asks_slurm_for_what_the_readme_says():
 
 
 def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(tmp_path):
-    fake_bin, out, records, calls = tmp_path / "bin", tmp_path / "run", tmp_path / "records", tmp_path / "scontrol.calls"
-    fake_bin.mkdir()
-    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (fake_bin / "scontrol").chmod(0o755)
-    env = clean_env(
-        PATH=os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), ACCELERATE_CONFIG="accelerate_configs/cpu_ddp.yaml",
-        TEMPLATE="tests/fault_inject.py", FAULT_RECORD=str(records), RUN_STATUS_FILE=str(tmp_path / "slurm-4242.status.json"),
-    )
+    out, records = tmp_path / "run", tmp_path / "records"
+    env, calls = slurm_env(tmp_path, "4242", "cpu_ddp.yaml", FAULT_RECORD=str(records),
+                           RUN_STATUS_FILE=str(tmp_path / "slurm-4242.status.json"))
     job = subprocess.Popen(["bash", str(SCRIPT), "templates/image_classification.py", *ARGS, "--output_dir", str(out)],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
@@ -71,16 +80,9 @@ def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(t
 
 
 def test_a_failed_run_ends_the_job_with_its_own_exit_code_and_is_not_requeued(tmp_path):
-    fake_bin, out, calls = tmp_path / "bin", tmp_path / "run", tmp_path / "scontrol.calls"
-    fake_bin.mkdir()
-    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (fake_bin / "scontrol").chmod(0o755)
-    env = clean_env(
-        PATH=os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=str(REPO), ACCELERATE_CONFIG="accelerate_configs/cpu.yaml",
-        TEMPLATE="tests/fault_inject.py", FAULT="nan_loss", FAULT_STEP="2", FAULT_RECORD=str(tmp_path / "records"),
-        RUN_STATUS_FILE=str(tmp_path / "status.json"),
-    )
+    out = tmp_path / "run"
+    env, calls = slurm_env(tmp_path, "77", "cpu.yaml", FAULT="nan_loss", FAULT_STEP="2",
+                           FAULT_RECORD=str(tmp_path / "records"), RUN_STATUS_FILE=str(tmp_path / "status.json"))
     job = subprocess.run(["bash", str(SCRIPT), "templates/image_classification.py", *ARGS, "--output_dir", str(out)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert job.returncode == 3, job.stderr[-3000:]  # the NaN's exit code, not the launcher's 1
@@ -90,6 +92,7 @@ def test_a_failed_run_ends_the_job_with_its_own_exit_code_and_is_not_requeued(tm
 
 def _trained_a_step(out: Path) -> bool:
     try:
+        # read as text: the run may be writing the last line right now
         return any('"train/loss"' in line for line in (out / "metrics.jsonl").read_text().splitlines())
     except OSError:
         return False

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from conftest import REPO, launch
+from helpers import write_tiny_corpus
 
 PROBE = REPO / "tests" / "finish_probe.py"
 IMAGE = ("--epochs", "1", "--width", "8", "--depth", "1", "--num_workers", "0", "--tracker", "none")
@@ -29,8 +30,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="thread names co
     ("fsdp.yaml", "language_model", LM),
 ], ids=["image-ddp", "lm-fsdp"])
 def test_no_gloo_thread_outlives_main(tmp_path, config, template, args):
-    corpus = tmp_path / "tiny.txt"
-    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    corpus = write_tiny_corpus(tmp_path / "tiny.txt")
     extra = ("--data_path", str(corpus)) if template == "language_model" else ()
     result = launch(config, PROBE, str(REPO / "templates" / f"{template}.py"), *args, *extra,
                     "--output_dir", str(tmp_path / "out"), num_processes=2, timeout=180)

@@ -25,6 +25,7 @@ import psutil
 import pytest
 import yaml
 from conftest import CONFIGS, REPO, clean_env, free_port
+from helpers import read_metrics
 
 from common.config import parse_config
 from search.sweep import build_command, load_sweep
@@ -186,7 +187,8 @@ def test_agent_argv_keeps_floats_ints_booleans_lists(monkeypatch, tmp_path):
             "schedule": {"values": ["cosine", "linear"]},
             "clip": {"values": [None, 0.5]},
         },
-        "command": ["${env}", "accelerate", "launch", "--config_file", "accelerate_configs/cpu.yaml", "${program}", "${args}"],
+        "command": ["${env}", "accelerate", "launch", "--config_file", "accelerate_configs/cpu.yaml", "${program}",
+                    "${args}"],
     }
     np.random.seed(1)
     seen = {name: set() for name in config["parameters"]}
@@ -373,8 +375,7 @@ def test_wandb_agent_runs_each_run_in_its_own_folder_and_requeues_only_preempted
             assert_arrived(config[name], spec["value"], name)
         assert config["output_dir"] == f"runs/{template}/{SWEEP_ID}/{run_id}"
         assert (folder / "model.safetensors").is_file()
-        losses = [r["val/loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
-                  if "val/loss" in r]
+        losses = [r["val/loss"] for r in read_metrics(folder) if "val/loss" in r]
         assert losses and losses not in finals.values()  # a result of its own, not the run before's
         finals[run_id] = losses
         assert "preempting" not in record_kinds(folder)

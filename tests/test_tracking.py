@@ -38,7 +38,8 @@ class FakeWandb(types.ModuleType):
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
-        run = SimpleNamespace(logged=[], summary={}, finished=False, dir=str(Path(kwargs["dir"]) / "wandb" / "run-x" / "files"))
+        run_dir = Path(kwargs["dir"]) / "wandb" / "run-x" / "files"
+        run = SimpleNamespace(logged=[], summary={}, finished=False, dir=str(run_dir))
         run.log = lambda metrics, step: run.logged.append((step, metrics))
         run.finish = lambda exit_code=None: setattr(run, "finished", True)
         return run

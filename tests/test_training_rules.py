@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from conftest import REPO, assert_one_host_sync_per_ordinary_step, host_syncs_per_step, load_template
+from conftest import (REPO, assert_one_host_sync_per_ordinary_step, host_syncs_per_step, load_template,
+                      reset_accelerate_state, start_clean_accelerate)
+from helpers import random_text
 from torch.utils.data import Dataset, Subset
 
 import common.accelerator as accelerator_module
@@ -41,17 +42,6 @@ TEMPLATES = {
          "--sample_tokens", "0", "--log_every_steps", "2"],
     ),
 }
-
-
-@pytest.fixture
-def fresh_accelerate(monkeypatch):
-    """Accelerate keeps process-wide singletons; each in-process run starts from a clean state."""
-    for key in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "WANDB_MODE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class Recorder:
@@ -134,13 +124,15 @@ def test_train_and_eval_modes(template, tmp_path, monkeypatch, fresh_accelerate)
     assert all(f[1] is False for f in evaluating), "evaluation must run in model.eval() mode without grad"
     # every evaluation batch is gathered with gather_for_metrics (which drops DDP padding)
     sequence = [event for event in recorder.events if event[0] in ("forward", "gather")]
-    after_eval_forward = [sequence[i + 1][0] for i, event in enumerate(sequence[:-1]) if event[0] == "forward" and not event[2]]
+    after_eval_forward = [sequence[i + 1][0] for i, event in enumerate(sequence[:-1])
+                          if event[0] == "forward" and not event[2]]
     assert len(after_eval_forward) == len(evaluating) - (sequence[-1][0] == "forward")
     assert all(kind == "gather" for kind in after_eval_forward)
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(template, tmp_path, monkeypatch, fresh_accelerate, capsys):
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(template, tmp_path, monkeypatch, fresh_accelerate,
+                                                                      capsys):
     module = load_template(template)
     _, args = TEMPLATES[template]
     output = tmp_path / "run"
@@ -217,8 +209,7 @@ SHORT = {"image_classification": {"epochs": 1}, "language_model": {"max_steps": 
 
 def run_main(module, template: str, output: Path, **overrides):
     """One in-process run (a new job: accelerate's singletons reset), without W&B."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     overrides.setdefault("resume", "none")
     return module.main(options(template, output_dir=output, tracker="none", **overrides))
 
@@ -370,14 +361,6 @@ class DataWatch:
         return self.fetched[: self.batches_per_epoch * batch_size]
 
 
-def random_text(path: Path, size: int, seed: int) -> Path:
-    """Random lower-case words: no 8 bytes of it recur by chance, so shared content means a shared sample."""
-    rng = np.random.default_rng(seed)
-    letters = rng.choice(list(b"abcdefghijklmnopqrstuvwxyz     \n"), size=size).astype(np.uint8)
-    path.write_bytes(letters.tobytes())
-    return path
-
-
 # Interrupted runs for the shuffle, validation-order and resume tests. Image: 14 micro-batches of 96 an
 # epoch, 7 optimizer steps (accumulation 2), stopped at step 9 (epoch 2, 4 micro-batches in). Language
 # model: 168 training windows of a random text make 21 micro-batches of 8 an epoch, 11 optimizer steps;
@@ -400,17 +383,14 @@ def interrupted_runs(request, tmp_path_factory):
     overrides = {k: str(v).format(corpus=corpus) for k, v in overrides.items()}
     watches = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        for key in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "WANDB_MODE"):
-            monkeypatch.delenv(key, raising=False)
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        start_clean_accelerate(monkeypatch)
         for name, sessions in (("uninterrupted", [{}]),
                                ("interrupted", [{"stop_after_steps": stop}, {"resume": "auto"}])):
             for number, extra in enumerate(sessions):
                 with pytest.MonkeyPatch.context() as watching:
                     watches.setdefault((name, number), DataWatch(watching, module))
                     run_main(module, template, root / name, **overrides, **extra)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     batch_size = int(options(template)[options(template).index("--batch_size") + 1])
     return SimpleNamespace(template=template, root=root, watches=watches, batch_size=batch_size, seed=0)
 
