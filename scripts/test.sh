@@ -3,4 +3,5 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 # pytest exits 5 when it collected no tests; set -e turns that into a failure like any other.
+python -m ruff check .  # pyproject.toml: pyflakes and pycodestyle, lines of at most 120 characters
 python -m pytest -q tests "$@"

@@ -230,8 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
         accelerator, data.train, data.val, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers,
         what="training images")
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
-    total_steps = cfg.epochs * steps_per_epoch
+    total_steps = cfg.epochs * math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
 
     model = build_model(cfg, data)
     # What using the model needs, with the run and in the export: ResNet(**model), names of its outputs, input side.
@@ -241,11 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, total_steps // 2), total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    ckpt = CheckpointManager(
-        accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
-        metric="val/accuracy", mode="max", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps,
-        seed=cfg.seed, model_info=model_info,
-    )
+    ckpt = CheckpointManager(accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
+                             metric="val/accuracy", mode="max", keep_last=cfg.keep_last, seed=cfg.seed,
+                             every_steps=cfg.checkpoint_every_steps, model_info=model_info)
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process

@@ -332,12 +332,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     throughput = Throughput(accelerator, "tokens", cfg.batch_size * cfg.block_size, max(0, cfg.num_workers),
                             flops_per_token, cfg.peak_tflops)  # speed, data wait and MFU, in each log line
-    accelerator.print(
-        f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
-        f"{len(val_set) * cfg.block_size:,} validation tokens, "
-        f"vocabulary {corpus.vocab_size}, {n_params:,} parameters, {cfg.max_steps} optimizer steps "
-        f"({batches_per_epoch} micro-batches per epoch), learning rate {learning_rate:g}"
-    )
+    accelerator.print(f"{corpus.description}\n{len(corpus.train) * cfg.block_size:,} training tokens, "
+                      f"{len(val_set) * cfg.block_size:,} validation tokens, vocabulary {corpus.vocab_size}, "
+                      f"{n_params:,} parameters, {cfg.max_steps} optimizer steps "
+                      f"({batches_per_epoch} micro-batches per epoch), learning rate {learning_rate:g}")
 
     def validate(record: bool = True) -> dict[str, float]:
         metrics = evaluate(model, val_loader, accelerator)
