@@ -3,7 +3,7 @@
 
 Every entry of MUTATIONS is one way to break a rule: exact source text of one file and what it is
 replaced with (the rest of the repository unchanged). For each, the repository (templates/, common/,
-tests/, accelerate_configs/, sweeps/) is copied to a temporary folder, the text is replaced there (a
+tests/, accelerate_configs/, sweeps/, search/, scripts/) is copied to a temporary folder, the text is replaced there (a
 text that is not found exactly once is an error: the list must follow the code), and the tests named
 for it run with `python -m pytest -x -q`. They must fail: `caught`; tests that pass mean the rule can
 be broken unnoticed: `MISSED`. Before the mutations, all the tests named run once on an unchanged copy
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COPIED = ("templates", "common", "tests", "accelerate_configs", "sweeps")
+COPIED = ("templates", "common", "tests", "accelerate_configs", "sweeps", "search", "scripts")
 
 TR = "tests/test_training_rules.py::"
 DR = "tests/test_distributed_rules.py::"
