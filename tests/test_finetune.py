@@ -163,6 +163,9 @@ RUNS = {  # name: (accelerate config, template options)
                                              "--merge_lora", "true", "--chat_data", *STEPS)),
     "ddp-full": ("cpu_ddp.yaml", ("--learning_rate", "3e-3", "--gradient_checkpointing", "true", *STEPS)),
     "fsdp-full": ("fsdp.yaml", ("--learning_rate", "3e-3", *STEPS)),
+    "ddp-lora": ("cpu_ddp.yaml", ("--learning_rate", "1e-2", "--lora_r", "8", "--max_steps", "20",
+                                  "--eval_every_steps", "10", "--batch_size", "8", "--tracker", "none",
+                                  "--sample_tokens", "4")),
     "fsdp-lora": ("fsdp.yaml", ("--learning_rate", "1e-2", "--lora_r", "8", "--lora_target_modules",
                                 "[q_proj, v_proj]", "--max_steps", "20", "--eval_every_steps", "10", "--batch_size",
                                 "8", "--tracker", "none", "--sample_tokens", "4")),
@@ -237,11 +240,13 @@ def test_export_loads_with_from_pretrained_in_a_plain_process_with_the_same_logi
     assert difference < 1e-4, difference
 
 
-def test_lora_checkpoints_hold_the_adapter_and_its_optimizer_state_only(runs):
-    finished(runs["single-lora-merged-chat"])
+@pytest.mark.parametrize("name", ["single-lora-merged-chat", "ddp-lora"])
+def test_lora_checkpoints_hold_the_adapter_and_its_optimizer_state_only(runs, name):
+    logged = [r for r in finished(runs[name]) if "val/loss" in r]
+    assert logged[-1]["val/loss"] < logged[0]["val/loss"]
     from safetensors.torch import load_file
 
-    checkpoint = sorted((runs["single-lora-merged-chat"]["out"] / "checkpoints").glob("step_*"))[-1]
+    checkpoint = sorted((runs[name]["out"] / "checkpoints").glob("step_*"))[-1]
     weights = load_file(str(checkpoint / "model.safetensors"))
     assert weights and all("lora_" in key for key in weights), sorted(weights)[:5]
     optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
