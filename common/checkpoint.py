@@ -456,14 +456,20 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str |
         except OSError as error:
             failure = _reason(error)
             tmp.unlink(missing_ok=True)  # the export is one file: free its space, nothing else refers to it
-    if accelerator.num_processes > 1 and dist.is_initialized():  # every rank learns whether it worked
+    check_export(accelerator, path, failure)
+    return path
+
+
+def check_export(accelerator: Accelerator, path: str | os.PathLike, failure: str | None) -> None:
+    """After the main process wrote an export (`failure`: what went wrong there, or None), every rank
+    learns whether it worked; a failure ends the run on all of them with a SaveError."""
+    if accelerator.num_processes > 1 and dist.is_initialized():
         holder = [failure]
         broadcast_object_list(holder)
         failure = holder[0]
     if failure is not None:
         raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
                         "so --resume auto writes it again")
-    return path
 
 
 def export_info(path: str | os.PathLike) -> dict:

@@ -33,10 +33,10 @@ HERE = Path(__file__).resolve().parent  # the common/ beside this file, else bes
 sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
-from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager  # noqa: E402
+from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_export  # noqa: E402
 from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
-from common.errors import NonFiniteError, RunStatus, SaveError, UsageError, with_exit_codes  # noqa: E402
+from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
@@ -412,15 +412,7 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
             os.replace(tmp, folder)
         except OSError as error:
             failure = f"{type(error).__name__}: {error}"
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        holder = [failure]
-        broadcast_object_list(holder)
-        failure = holder[0]
-    if failure is not None:
-        raise SaveError(f"writing the export {folder} failed: {failure}; the checkpoints are intact, "
-                        "so --resume auto writes it again")
+    check_export(accelerator, folder, failure)  # every rank learns whether it worked
     return folder
 
 
