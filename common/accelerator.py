@@ -31,7 +31,12 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.checkpoint import check_output_dir
+from common.checkpoint import (
+    background_save_failed,
+    background_save_failed_somewhere,
+    check_output_dir,
+    finish_background_saves,
+)
 from common.config import MIXED_PRECISION_CHOICES
 from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import say, sweep_run_dir
@@ -152,21 +157,26 @@ class PreemptionWatcher:
             self.received = signum
 
     def check_step(self, grad_norm: torch.Tensor) -> bool:
-        """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange.
+        """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange, and
+        whether a background checkpoint write failed on any rank.
 
         Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so that
         non-finite gradients stop the run before they are applied. One small all-reduce and one host
-        sync for both (a sync drains a GPU's launch queue: one per step at most); the `stop_requested()`
-        that follows at this step answers from it without another collective.
+        sync for all three (a sync drains a GPU's launch queue: one per step at most); the `stop_requested()`
+        that follows at this step answers from it without another collective, and a failed background save
+        is raised by the checkpoint manager's `save_if_due` at this step, on every rank alike.
         """
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
-        flags = torch.zeros(2, dtype=torch.int32, device=self.device)  # filled on the device: no host copy
+        flags = torch.zeros(3, dtype=torch.int32, device=self.device)  # filled on the device: no host copy
         flags[0] = ~torch.isfinite(grad_norm.detach().reshape(()))
         flags[1] = _RANK.get(self.received, 1)
+        flags[2] = background_save_failed()
         if self.num_processes > 1 and dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the norm is the same everywhere; the signals are not
-        non_finite, self._agreed = flags.tolist()
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the norm is the same everywhere; the rest is not
+        non_finite, self._agreed, save_failed = flags.tolist()
+        if save_failed:
+            background_save_failed_somewhere()
         return not non_finite
 
     def stop_requested(self) -> bool:
@@ -245,6 +255,7 @@ def release_process_group() -> None:
     Call it after the training function has returned, as `with_exit_codes` does: its model holds the
     group too. Without a process group it does nothing.
     """
+    finish_background_saves()  # a checkpoint still being written ends first: its thread uses a group of its own
     if not _GROUPS and not (dist.is_available() and dist.is_initialized()):
         return
     if dist.is_initialized():

@@ -80,6 +80,8 @@ class RunOptions:
     checkpoint_every_steps: int = option(0, "Also checkpoint every N optimizer steps (0: at evaluations only).",
                                          "[0, inf)")
     keep_last: int = option(3, "Periodic checkpoints to keep (the best is kept apart).", "[1, inf)")
+    checkpoint_background: bool = option(True, "Write checkpoints in a background thread while training goes on "
+                                         "(false: training waits for each save).")
     stop_after_steps: int = option(0, "End this session after N optimizer steps with a checkpoint (0: never).",
                                    "[0, inf)")
     log_every_steps: int = option(10, "Log the training loss every N optimizer steps.", "[1, inf)")

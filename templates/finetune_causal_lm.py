@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_export  # noqa: E402
-from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
+from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
@@ -440,9 +440,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.lora_r:
         keep_adapter_only_in_checkpoints(accelerator, model)
 
-    ckpt = CheckpointManager(
-        accelerator, cfg.output_dir, template="finetune_causal_lm", config=config_to_dict(cfg),
-        metric="val/loss", mode="min", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
+    ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
+        accelerator, cfg, template="finetune_causal_lm", metric="val/loss", mode="min",
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "compile",
                                            "gradient_checkpointing", "merge_lora"},
         model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
@@ -535,11 +534,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
-        ckpt.save(state)  # exactly where we are (a no-op if this step was just saved)
+        ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
         accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
+        ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
         export = export_model(accelerator, model, tokenizer, cfg, Path(cfg.output_dir) / "model")
         adapter = cfg.lora_r and not cfg.merge_lora
         accelerator.print(f"exported to {export}: load it with "

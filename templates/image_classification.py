@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
-from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
+from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
@@ -240,9 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, total_steps // 2), total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    ckpt = CheckpointManager(accelerator, cfg.output_dir, template="image_classification", config=config_to_dict(cfg),
-                             metric="val/accuracy", mode="max", keep_last=cfg.keep_last, seed=cfg.seed,
-                             every_steps=cfg.checkpoint_every_steps, model_info=model_info)
+    ckpt = CheckpointManager.for_run(accelerator, cfg, template="image_classification", metric="val/accuracy",
+                                     mode="max", model_info=model_info)  # in the background: --checkpoint_background
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
@@ -307,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 stopping = True
                 break
         if stopping:
-            ckpt.save(state)  # exactly where we are (a no-op if this step was just saved)
+            ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
             break
     bar.close()
 
@@ -317,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if state.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)
+        ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         tracker.summary(metrics | {"best/val_accuracy": state.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
 
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
-from common.config import RunOptions, config_to_dict, option, parse_config  # noqa: E402
+from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import TokenWindows, build_loaders, split_by_key, token_file_splits  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
@@ -319,9 +319,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, cfg.max_steps // 2), cfg.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    ckpt = CheckpointManager(
-        accelerator, cfg.output_dir, template="language_model", config=config_to_dict(cfg),
-        metric="val/loss", mode="min", keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
+    ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
+        accelerator, cfg, template="language_model", metric="val/loss", mode="min",
         # These change how the run is watched or how fast it runs, not what it trains: a resume may change them.
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                            "compile", "activation_checkpointing"},
@@ -404,11 +403,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
-        ckpt.save(state)  # exactly where we are (a no-op if this step was just saved)
+        ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
         accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
+        ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
         export_weights(accelerator, model, Path(cfg.output_dir) / "model.safetensors", info=model_info)
         if corpus.byte_level:  # the context-free baseline: what a model ignoring context would score
             entropy = unigram_entropy(np.concatenate([targets.numpy() for _, targets in val_set]))
