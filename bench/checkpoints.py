@@ -18,6 +18,13 @@ Every save starts after os.sync(), with no other data waiting to be written (the
 would otherwise leave its 170 MB to slow whichever save comes next). Loads read files just written,
 so both read from the page cache. Bytes are the files on disk.
 
+Then the training time a checkpoint costs, at the step (--checkpoint_background false) and in the
+background (the default): the same training loop (forward, backward, clip, AdamW step on batches of
+random tokens) runs --stall_steps steps with no checkpoint, with a checkpoint every --stall_every steps
+written at the step, and the same written in the background (the loop waits for the last one at its
+end, so an unfinished write is counted). Runs interleave, the order rotating; lost time per checkpoint
+= (run time - the median no-checkpoint run time) / checkpoints. Target: background <= 20% of at the step.
+
     python bench/checkpoints.py                 # ~1 minute
     python bench/checkpoints.py --quick         # seconds: checks the script, measures nothing
     python bench/checkpoints.py --write-results # also update bench/RESULTS.md
@@ -41,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 TARGET = 1.5
+STALL_TARGET = 0.2
 
 
 def build(n_layer: int, n_embd: int, n_head: int, block_size: int):
@@ -96,6 +104,43 @@ def torch_load(path: Path, model, optimizer, scheduler) -> None:
     scheduler.load_state_dict(loaded["scheduler"])
 
 
+def stall_runs(accelerator, model, optimizer, scheduler, workdir: Path, steps: int, every: int, repeats: int,
+               batch: int, block_size: int) -> dict[str, list[float]]:
+    """Seconds per run of `steps` training steps: no checkpoint, one every `every` steps at the step, and the
+    same in the background (waiting for the last write at the end)."""
+    from common.checkpoint import CheckpointManager, TrainingState
+
+    tokens = torch.randint(0, 256, (steps, batch, block_size + 1))
+    runs: dict[str, list[float]] = {"none": [], "at the step": [], "background": []}
+    kinds = list(runs)
+    for repeat in range(repeats):
+        for kind in kinds[repeat % 3:] + kinds[: repeat % 3]:
+            manager = None
+            if kind != "none":
+                folder = workdir / f"stall-{kind.replace(' ', '-')}-{repeat}"
+                manager = CheckpointManager(accelerator, folder, template="language_model", config={},
+                                            metric="val/loss", mode="min", background=kind == "background")
+            os.sync()
+            start = time.perf_counter()
+            for step in range(1, steps + 1):
+                optimizer.zero_grad(set_to_none=True)
+                inputs, targets = tokens[step - 1, :, :-1], tokens[step - 1, :, 1:]
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                if manager is not None and step % every == every // 2:
+                    manager.save(TrainingState(step=step))
+            if manager is not None:
+                manager.wait()
+            runs[kind].append(time.perf_counter() - start)
+            if manager is not None:
+                shutil.rmtree(manager.output_dir, ignore_errors=True)
+        print(f"  stall repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in runs.items()), flush=True)
+    return runs
+
+
 def disk_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -111,12 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats of every save and load")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder under $TMPDIR)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--stall_steps", type=int, default=40, help="training steps of each stall run")
+    parser.add_argument("--stall_every", type=int, default=10, help="a checkpoint every N of those steps")
+    parser.add_argument("--stall_batch", type=int, default=4, help="sequences per training step of the stall runs")
+    parser.add_argument("--stall_repeats", type=int, default=5, help="interleaved repeats of each stall run")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 repeats: checks the script works")
     parser.add_argument("--write-results", action="store_true",
                         help="update the checkpoints section of bench/RESULTS.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.n_layer, args.n_embd, args.n_head, args.block_size, args.repeats = 1, 32, 2, 16, 2
+        args.stall_steps, args.stall_every, args.stall_repeats = 6, 3, 2
     harness.set_threads(args.threads)
     info = harness.machine()
     print(harness.describe_machine(info))
@@ -173,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
                     torch_load(workdir / "durable.pt", model, optimizer, scheduler)
                 times[what].append(time.perf_counter() - start)
             print(f"  repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
+        accelerator.save_state, checkpoint_module._fsync_tree = real_save_state, real_fsync_tree
+        stall = stall_runs(accelerator, model, optimizer, scheduler, workdir, args.stall_steps, args.stall_every,
+                           args.stall_repeats, args.stall_batch, args.block_size)
     finally:
         accelerator.save_state, checkpoint_module._fsync_tree = real_save_state, real_fsync_tree
         shutil.rmtree(workdir, ignore_errors=True)
@@ -204,13 +257,33 @@ def main(argv: list[str] | None = None) -> None:
               f"median [min-max] of {args.repeats} interleaved repeats. Of the manager's save (median): "
               f"accelerate save_state {save_state_median:.3f}s, fsync of the folder {fsync_median:.3f}s, "
               f"the rest (progress.json, rename, pruning to 3) {rest_of_save:.3f}s.")
+    saves_per_run = len([s for s in range(1, args.stall_steps + 1) if s % args.stall_every == args.stall_every // 2])
+    baseline = statistics.median(stall["none"])
+    lost = {k: [(t - baseline) / saves_per_run for t in stall[k]] for k in ("at the step", "background")}
+    lost_med = {k: statistics.median(v) for k, v in lost.items()}
+    stall_ratio = max(lost_med["background"], 0.0) / lost_med["at the step"] if lost_med["at the step"] > 0 else None
+    verdict = "-" if stall_ratio is None else f"{stall_ratio:.2f}x {'met' if stall_ratio <= STALL_TARGET else 'MISSED'}"
+    stall_rows = [[kind, f"{statistics.median(stall[kind]):.3f} [{min(stall[kind]):.3f}-{max(stall[kind]):.3f}]",
+                   "-" if kind == "none" else f"{1000 * lost_med[kind]:.1f} "
+                   f"[{1000 * min(lost[kind]):.1f}-{1000 * max(lost[kind]):.1f}]",
+                   verdict if kind == "background" else "-"]
+                  for kind in ("none", "at the step", "background")]
+    stall_text = harness.table(["checkpoints", f"run of {args.stall_steps} steps, s",
+                                f"training time lost per checkpoint, ms ({saves_per_run} a run)",
+                                f"background / at the step (target <= {STALL_TARGET}x)"], stall_rows)
+    stall_detail = (f"\nSame model and optimizer; {args.stall_batch} sequences of {args.block_size} tokens a step; "
+                    f"median [min-max] of {args.stall_repeats} interleaved repeats.")
     print()
     print(text)
     print(detail)
+    print()
+    print(stall_text)
+    print(stall_detail)
     print(f"{time.perf_counter() - started:.0f}s")
     if args.write_results and not args.quick:
         harness.write_results("checkpoints", "Checkpoints: CheckpointManager vs torch.save / torch.load",
-                              text + "\n" + detail + NOTES, info)
+                              text + "\n" + detail + "\n\nTraining time lost to checkpoints, at the step vs in the "
+                              "background:\n\n" + stall_text + "\n" + stall_detail + NOTES, info)
 
 
 NOTES = """
@@ -219,6 +292,9 @@ NOTES = """
   times vary); `os.sync()` before every save; loads come from the page cache, for both.
 - The fair baseline for save is the durable one (fsync + rename, as the manager does); the one
   without fsync is shown for reference: it returns before the data is on disk.
+- Lost time in the background is the copy to host memory at the step plus what the writing thread takes
+  from training (here the two share 2 CPU cores and Python's lock; on a GPU machine the training thread
+  mostly waits for the GPU).
 """
 
 

@@ -44,6 +44,7 @@ TC = "tests/test_checkpoint.py::"
 TA = "tests/test_accelerator.py::"
 IMAGE, LM = "templates/image_classification.py", "templates/language_model.py"
 DATA, CHECKPOINT, TRACKING = "common/data.py", "common/checkpoint.py", "common/tracking.py"
+ACCELERATOR = "common/accelerator.py"
 
 EPOCH_ORDER = TR + "test_each_epoch_has_the_shuffle_that_seed_and_epoch_fix_also_after_a_resume[{}]"
 VAL_ORDER = TR + "test_every_evaluation_sees_each_validation_sample_once_in_order[{}]"
@@ -201,11 +202,12 @@ MUTATIONS = [
              'state = TrainingState(step=meta["step"], best_metric=meta.get("best_metric"))',
              tests=RESUMED.format(lm)),
     mutation("keep-last-off-by-one", "checkpoints: keep-last-K", CHECKPOINT,
-             "for old in periodic[: -self.keep_last]:", "for old in periodic[: -self.keep_last - 1]:",
+             "for old in periodic[: -self.keep_last] + best[:-1]:",
+             "for old in periodic[: -self.keep_last - 1] + best[:-1]:",
              tests=TC + "test_keep_last_k_periodic_and_best_kept_apart"),
     mutation("best-not-kept-apart", "checkpoints: periodic and best apart", CHECKPOINT,
-             'periodic = [p for p in self.complete_checkpoints() if p.name.startswith("step_")]',
-             "periodic = self.complete_checkpoints()",
+             'periodic = [p for p in done if p.name.startswith("step_")]',
+             "periodic = done",
              tests=TC + "test_keep_last_k_periodic_and_best_kept_apart"),
     mutation("saved-under-the-final-name", "checkpoints: atomic", CHECKPOINT, (
         ('final, tmp = self.dir / name, self.dir / f".tmp-{name}"', "final = tmp = self.dir / name"),
@@ -216,6 +218,14 @@ MUTATIONS = [
         ("        os.replace(tmp, final)\n",
          "        os.replace(tmp, final)\n        _write_json(final / PROGRESS_FILE, meta)\n"),
     ), tests=KILLS),
+    mutation("background-save-of-live-tensors", "checkpoints: a background save holds the step's state", CHECKPOINT,
+             "        return _copy_state_dict(state_dict, buffer, non_blocking=self.pin_memory, type_check=False)",
+             "        return state_dict",
+             tests=(TC + "test_training_goes_on_while_the_save_is_written_and_the_checkpoint_holds_the_step",
+                    TC + "test_two_ranks_background_saves_write_what_save_state_writes_and_resume_exactly")),
+    mutation("background-failure-not-agreed", "checkpoints: a failed background save ends the run", ACCELERATOR,
+             "        flags[2] = background_save_failed()\n", "",
+             tests=TC + "test_a_failed_background_write_ends_the_run_at_the_next_step"),
     mutation("deletion-keeps-progress-json", "checkpoints: atomic deletion", CHECKPOINT,
              "    (path / PROGRESS_FILE).unlink(missing_ok=True)\n    _fsync_dir(path)\n    shutil.rmtree(path)",
              "    shutil.rmtree(path)",

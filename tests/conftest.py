@@ -188,8 +188,12 @@ def host_syncs_per_step(monkeypatch, libraries: tuple[str, ...] = ()) -> list[di
     """Record every read of a tensor's value on the host while a template trains in-process, per optimizer
     step: a list of windows ({"syncs": [...], "busy": bool}), each closed by AdamW.step; "busy" when the
     window evaluated or saved a checkpoint. On a GPU each such read waits for the device. Reads inside
-    torch and the named `libraries` (module names) are not the template's and are left out."""
+    torch and the named `libraries` (module names) are not the template's and are left out, and so are
+    those of other threads (the background checkpoint writer reads host copies, never the device)."""
     import functools
+    import threading
+
+    from common.checkpoint import CheckpointManager
 
     import torch
     from accelerate import Accelerator
@@ -200,6 +204,8 @@ def host_syncs_per_step(monkeypatch, libraries: tuple[str, ...] = ()) -> list[di
         original = getattr(torch.Tensor, name)
 
         def counted(tensor, *a, _original=original, _name=name, **k):
+            if threading.current_thread() is not threading.main_thread():
+                return _original(tensor, *a, **k)
             caller = sys._getframe(1)
             # torch's own host-side reads (the sampler's indices, a CPU optimizer's step counters) are on the
             # host on a GPU too; the templates, common/ and accelerate are where device values get read.
@@ -220,7 +226,7 @@ def host_syncs_per_step(monkeypatch, libraries: tuple[str, ...] = ()) -> list[di
         monkeypatch.setattr(owner, name, wrapper)
 
     marking(Accelerator, "gather_for_metrics")
-    marking(Accelerator, "save_state")
+    marking(CheckpointManager, "_checkpoint")  # a save, at the step or in the background
     real_step = torch.optim.AdamW.step
 
     @functools.wraps(real_step)

@@ -137,15 +137,15 @@ def clip_grad_norm_(self, *args, **kwargs):
 
 Accelerator.clip_grad_norm_ = clip_grad_norm_
 
-# --- checkpoint saves
-real_save_state = Accelerator.save_state
+# --- checkpoint saves: each rank writes its part of the state, at the step or in the background thread
+real_write_state = template.CheckpointManager._write_state
 
 
-def save_step(output_dir: str) -> int:
+def save_step(output_dir) -> int:
     return int(Path(output_dir).name.rsplit("_", 1)[-1])  # .tmp-step_00000012 / .tmp-best_step_00000012
 
 
-def save_state(self, output_dir=None, *args, **kwargs):
+def write_state(self, output_dir, *args, **kwargs):
     if ACTS and not calls["fired"] and FAULT in ("kill_save", "enospc") and save_step(output_dir) >= AT:
         calls["fired"] = True
         if FAULT == "enospc":
@@ -153,7 +153,7 @@ def save_state(self, output_dir=None, *args, **kwargs):
             (Path(output_dir) / "model.safetensors").write_bytes(b"\0" * 1024)  # what fit before the disk filled
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(output_dir) / "model.safetensors"))
         before = set(Path(output_dir).rglob("*")) if Path(output_dir).exists() else set()
-        result = real_save_state(self, output_dir, *args, **kwargs)
+        result = real_write_state(self, output_dir, *args, **kwargs)
         written = [p for p in Path(output_dir).rglob("*") if p.is_file() and p not in before]
         if written:
             victim = max(written, key=lambda p: p.stat().st_size)
@@ -161,25 +161,24 @@ def save_state(self, output_dir=None, *args, **kwargs):
                 handle.truncate(victim.stat().st_size // 2)
         die()
         return result
-    return real_save_state(self, output_dir, *args, **kwargs)
+    return real_write_state(self, output_dir, *args, **kwargs)
 
 
-Accelerator.save_state = save_state
+template.CheckpointManager._write_state = write_state
 
 # --- what each published checkpoint held right after its save
-real_write = template.CheckpointManager._write
+real_publish = template.CheckpointManager._publish
 saves: dict[str, dict] = {}
 
 
-def write(self, name, progress):
-    path = real_write(self, name, progress)
+def publish(self, tmp, final, *args, **kwargs):
+    real_publish(self, tmp, final, *args, **kwargs)
     if RECORD is not None and RANK == 0:
-        saves[path.name] = snapshot(path)
+        saves[final.name] = snapshot(final)
         write_json(RECORD / "saves.json", saves)
-    return path
 
 
-template.CheckpointManager._write = write
+template.CheckpointManager._publish = publish
 
 # --- non-finite losses; fp16 with a loss scaler on the CPU
 if FAULT in ("inf_loss", "nan_loss"):

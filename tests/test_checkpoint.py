@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import textwrap
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,7 +61,7 @@ class TiedLM(torch.nn.Module):
 
 
 def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last: int = 3, mode: str = "max",
-          init_seed: int = 0):
+          init_seed: int = 0, background: bool = False):
     """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager."""
     reset_accelerate_state()
     accelerator = build_accelerator(seed=0)
@@ -70,7 +71,7 @@ def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last
     scheduler = warmup_cosine(optimizer, 2, 20)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     ckpt = CheckpointManager(accelerator, output_dir, template=template, config={"width": width},
-                             metric="val/accuracy", mode=mode, keep_last=keep_last)
+                             metric="val/accuracy", mode=mode, keep_last=keep_last, background=background)
     return SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, ckpt=ckpt)
 
 
@@ -546,7 +547,7 @@ class KillAt:
     unlinks, tree copies and deletions) and kills the process at operation `at`: before it, or, for
     save_state and rmtree, half-way through (files half-written; some files deleted, progress.json last)."""
 
-    def __init__(self, monkeypatch, accelerator, checkpoints: Path, at: int):
+    def __init__(self, monkeypatch, manager, checkpoints: Path, at: int):
         self.count, self.at, self.fired = 0, at, None
         inside = lambda path: Path(path).resolve().is_relative_to(checkpoints.resolve())  # noqa: E731
 
@@ -566,12 +567,12 @@ class KillAt:
                 return real(*args, **kwargs)
             return wrapper
 
-        real_save_state, real_rmtree = accelerator.save_state, shutil.rmtree
+        real_write_state, real_rmtree = manager._write_state, shutil.rmtree
 
-        def save_state(output_dir, *args, **kwargs):
+        def write_state(output_dir, *args, **kwargs):  # save_state at the step, or the background writer's files
             if point("before save_state"):
                 raise Kill("before save_state")
-            result = real_save_state(output_dir, *args, **kwargs)
+            result = real_write_state(output_dir, *args, **kwargs)
             if point("in save_state"):
                 for file in Path(output_dir).iterdir():  # every file cut to half: the kill came mid-write
                     if file.is_file():
@@ -588,7 +589,7 @@ class KillAt:
                 raise Kill("in rmtree")
             return real_rmtree(path, *args, **kwargs)
 
-        monkeypatch.setattr(accelerator, "save_state", save_state)
+        monkeypatch.setattr(manager, "_write_state", write_state)
         monkeypatch.setattr(shutil, "rmtree", rmtree)
         monkeypatch.setattr(os, "replace", before(os.replace, "os.replace"))
         monkeypatch.setattr(Path, "unlink", before(Path.unlink, "unlink"))
@@ -596,19 +597,22 @@ class KillAt:
         monkeypatch.setattr(checkpoint_module, "_write_json", before(checkpoint_module._write_json, "progress.json"))
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["at-the-step", "background"])
 def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_complete_checkpoints(tmp_path,
-                                                                                                 fresh_accelerate):
+                                                                                                 fresh_accelerate,
+                                                                                                 background):
     """A checkpoint at step 3 that is the new best, in a run keeping 2: save the best (deleting the
     previous best), a better one at the same step (replacing it), link the periodic one to it (deleting
     the oldest periodic one). Killed before or inside each filesystem operation of that in turn, the
     folder must hold no folder under a final name that looks complete (progress.json) and is not, nor
     an incomplete one that was never complete (a save published early); a folder being deleted may be
     left half-deleted, without its progress.json; and resume picks the newest complete checkpoint and
-    loads exactly the weights saved there."""
+    loads exactly the weights saved there. In the background the kill strikes the writing thread (the
+    training thread learns of it at `wait`)."""
     at, outcomes = 0, []
     while True:
         at += 1
-        job = setup(tmp_path / f"kill{at}", keep_last=2)
+        job = setup(tmp_path / f"kill{at}", keep_last=2, background=background)
         job.ckpt.resume("none")
         weights = {}
         progress = TrainingState(step=1)
@@ -618,17 +622,19 @@ def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_comple
             job.ckpt.save_best(progress, 0.1 * step)
             job.ckpt.save(progress)
             weights[step] = params(job)
+            job.ckpt.wait()
         train(job, 1)
         weights[3] = params(job)
         assert names(job) == ["step_00000001", "best_step_00000002", "step_00000002"]
         published = set(names(job))  # complete checkpoints before the interrupted call: these may be deleted
         with pytest.MonkeyPatch.context() as monkeypatch:
-            kill = KillAt(monkeypatch, job.accelerator, job.ckpt.dir, at)
+            kill = KillAt(monkeypatch, job.ckpt, job.ckpt.dir, at)
             try:
                 progress.step = 3
                 for save in (lambda: job.ckpt.save_best(progress, 0.8), lambda: job.ckpt.save_best(progress, 0.9),
                              lambda: job.ckpt.save(progress)):
                     save()  # a best, a better one at the same step (replacing it), the periodic one
+                    job.ckpt.wait()
                     published |= set(names(job))
             except Kill:
                 pass
@@ -650,6 +656,7 @@ def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_comple
             else:
                 # only a deletion (of a checkpoint that was complete) may leave an incomplete folder under a final name
                 assert folder.name in published, f"{where}: {folder.name} is published but incomplete: {sorted(files)}"
+        job.ckpt.kept()  # a kill in the writing thread ends it; the process ends here too
         again = setup(job.ckpt.output_dir, init_seed=5)
         resumed = again.ckpt.resume("auto")
         assert resumed.step in (2, 3), where
@@ -684,3 +691,197 @@ def test_a_deletion_cut_short_leaves_no_folder_that_looks_complete(tmp_path, fre
     again = setup(job.ckpt.output_dir, init_seed=3)
     assert again.ckpt.resume("auto").step == 2
     assert same_tensors(params(again), weights)
+
+
+# --- background saves -------------------------------------------------------------------------------
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != PROGRESS_FILE}
+
+
+def test_a_background_save_writes_the_files_save_state_writes(tmp_path, fresh_accelerate):
+    """Byte for byte what accelerate's save_state writes at the same moment, so load_state reads either."""
+    job = setup(tmp_path / "run", background=True)
+    job.ckpt.resume("none")
+    train(job, 2)
+    job.ckpt.save(TrainingState(step=2))
+    job.accelerator.save_state(str(tmp_path / "save_state"))  # no random draw between the two: same RNG states
+    job.ckpt.wait()
+    written = files_of(job.ckpt.dir / "step_00000002")
+    assert set(written) == {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
+    assert written == files_of(tmp_path / "save_state")
+
+
+class Gate:
+    """Holds the background writer at its start until `open()`; records the order of snapshots and writes."""
+
+    def __init__(self, monkeypatch, manager):
+        self.event, self.log = threading.Event(), []
+        real_snapshot, real_write_state = manager._snapshot, manager._write_state
+
+        def snapshot(folder):
+            self.log.append(f"copy {folder.name}")
+            return real_snapshot(folder)
+
+        def write_state(folder, *args):
+            self.event.wait(timeout=60)
+            self.log.append(f"write {folder.name}")
+            return real_write_state(folder, *args)
+
+        monkeypatch.setattr(manager, "_snapshot", snapshot)
+        monkeypatch.setattr(manager, "_write_state", write_state)
+
+    def open(self):
+        self.event.set()
+
+
+def test_training_goes_on_while_the_save_is_written_and_the_checkpoint_holds_the_step(tmp_path, fresh_accelerate,
+                                                                                       monkeypatch):
+    job = setup(tmp_path / "run", background=True)
+    job.ckpt.resume("none")
+    train(job, 2)
+    at_save = params(job)
+    gate = Gate(monkeypatch, job.ckpt)
+    job.ckpt.save(TrainingState(step=2))  # returns with the state copied, before anything is written
+    assert names(job) == [] and gate.log == ["copy .tmp-step_00000002"]
+    train(job, 3)  # training goes on meanwhile and changes every parameter in place
+    assert not same_tensors(params(job), at_save)
+    gate.open()
+    job.ckpt.wait()
+    assert names(job) == ["step_00000002"]
+    again = setup(job.ckpt.output_dir, init_seed=4)
+    assert again.ckpt.resume("auto").step == 2
+    assert same_tensors(params(again), at_save)  # the step's weights, not the later ones
+
+
+def test_the_next_save_waits_for_the_one_being_written(tmp_path, fresh_accelerate, monkeypatch):
+    job = setup(tmp_path / "run", background=True, keep_last=1)
+    job.ckpt.resume("none")
+    gate = Gate(monkeypatch, job.ckpt)
+    train(job, 1)
+    job.ckpt.save(TrainingState(step=1))
+    threading.Timer(0.2, gate.open).start()
+    train(job, 1)
+    job.ckpt.save(TrainingState(step=2))  # one save at a time: its copy waits until the first is published
+    job.ckpt.wait()
+    assert gate.log == ["copy .tmp-step_00000001", "write .tmp-step_00000001", "copy .tmp-step_00000002",
+                        "write .tmp-step_00000002"]
+    assert names(job) == ["step_00000002"]  # keep_last 1: the first was published, then deleted
+
+
+def test_a_save_with_wait_is_on_disk_when_it_returns(tmp_path, fresh_accelerate, monkeypatch):
+    job = setup(tmp_path / "run", background=True)
+    job.ckpt.resume("none")
+    train(job, 1)
+    job.ckpt.save(TrainingState(step=1), wait=True)  # as a preemption exit saves
+    assert names(job) == ["step_00000001"]
+    sync = setup(tmp_path / "sync")  # --checkpoint_background false: every save at the step
+    sync.ckpt.resume("none")
+    sync.ckpt.save(TrainingState(step=1))
+    assert names(sync) == ["step_00000001"]
+
+
+def test_a_failed_background_write_ends_the_run_at_the_next_step(tmp_path, fresh_accelerate, monkeypatch):
+    """The failure is agreed in the step's check (PreemptionWatcher.check_step) and raised by save_if_due
+    there, as a save at the step raises it; the previous checkpoints stay as they were."""
+    from common.accelerator import PreemptionWatcher
+    from common.errors import SaveError
+
+    job = setup(tmp_path / "run", background=True)
+    job.ckpt.resume("none")
+    job.ckpt.save(TrainingState(step=1), wait=True)
+    before = snapshot(job.ckpt.dir)
+    monkeypatch.setattr(job.ckpt, "_write_state", crash)
+    watcher = PreemptionWatcher(job.accelerator, signals=())
+    progress = TrainingState(step=2)
+    job.ckpt.save(progress)
+    job.ckpt._pending._thread.join()  # the write has failed; the training thread has not looked yet
+    assert job.ckpt.save_if_due(progress) is None  # not agreed yet: the step before the check goes on
+    assert watcher.check_step(torch.tensor(1.0)) is True
+    with pytest.raises(SaveError, match=r"saving checkpoint \S+step_00000002 failed: No space left on device; "
+                                        r"the previous checkpoints are intact \(newest: step_00000001\)"):
+        job.ckpt.save_if_due(progress)
+    assert {k: v for k, v in snapshot(job.ckpt.dir).items() if not k.startswith(".tmp-")} == before
+
+
+TWO_RANK_BACKGROUND_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    sys.path.insert(0, {repo!r})
+    from common.accelerator import build_accelerator
+    from common.checkpoint import CheckpointManager, TrainingState
+
+    class Block(torch.nn.Module):  # the class fsdp.yaml wraps
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x))
+
+    output = sys.argv[1]
+    accelerator = build_accelerator(seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    def train(steps):
+        for _ in range(steps):
+            loss = model(torch.randn(4, 16)).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+    def manager(folder, background):
+        return CheckpointManager(accelerator, f"{{output}}/{{folder}}", template="tiny", config={{}}, metric="m",
+                                 background=background)
+
+    background, at_the_step = manager("background", True), manager("at_the_step", False)
+    background.resume("none"), at_the_step.resume("none")
+    train(2)
+    weights = {{k: v.clone() for k, v in accelerator.get_state_dict(model).items()}}
+    background.save(TrainingState(step=2))
+    at_the_step.save(TrainingState(step=2))  # the same state: nothing trained or drawn in between
+    train(2)  # while the background save is written
+    background.wait()
+    again = manager("background", True)
+    again.resume("auto")
+    restored = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        same = sorted(weights) == sorted(restored) and all(torch.equal(weights[k], restored[k]) for k in weights)
+        with open(f"{{output}}/result.json", "w") as handle:
+            json.dump({{"restored_step_2": same, "still_background": background.background,
+                       "kind": accelerator.distributed_type.value}}, handle)
+""")
+
+
+@pytest.mark.parametrize("config", ["cpu_ddp.yaml", "fsdp.yaml"])
+def test_two_ranks_background_saves_write_what_save_state_writes_and_resume_exactly(tmp_path, config):
+    """DDP (the main process writes the model) and FSDP2 (every rank writes its shards through
+    torch.distributed.checkpoint, in the background on a process group of its own)."""
+    import pickle
+
+    script = tmp_path / "two_ranks_background.py"
+    script.write_text(TWO_RANK_BACKGROUND_SCRIPT.format(repo=str(REPO)))
+    output = tmp_path / "run"
+    result = launch(config, script, str(output), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads((output / "result.json").read_text())
+    assert outcome == {"restored_step_2": True, "still_background": True,
+                       "kind": "FSDP" if config == "fsdp.yaml" else "MULTI_CPU"}, outcome
+    written = files_of(output / "background" / "checkpoints" / "step_00000002")
+    expected = files_of(output / "at_the_step" / "checkpoints" / "step_00000002")
+    assert sorted(written) == sorted(expected) and "random_states_1.pkl" in written
+    if config == "fsdp.yaml":
+        assert {"pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/__1_0.distcp"} <= set(written)
+    for name in written:
+        if name.endswith(".metadata"):  # torch.distributed.checkpoint's index: the same but for its path and id
+            index = [pickle.loads(files[name]) for files in (written, expected)]
+            assert [(m.state_dict_metadata, m.storage_data) for m in index][0] == \
+                   [(m.state_dict_metadata, m.storage_data) for m in index][1], name
+        else:
+            assert written[name] == expected[name], name

@@ -402,7 +402,8 @@ def test_sigkill_at_a_drawn_step_or_mid_save_and_the_restart_resumes_before_it(r
         tmp = [name for name in launch.checkpoints if name.startswith(".tmp-")]
         assert len(tmp) == 1, launch.checkpoints
         interrupted = int(tmp[0].rsplit("_", 1)[1])
-        assert interrupted >= step and acting["steps_done"] == interrupted, (step, tmp, acting)
+        # Written in the background: training went on while the save of step `interrupted` was being written.
+        assert step <= interrupted <= acting["steps_done"], (step, tmp, acting)
         ignored = chain.out / "checkpoints" / tmp[0]
         assert f"ignoring incomplete checkpoint {ignored} (its save was interrupted)" in following.result.stdout
         assert resumed_step(following) is not None and resumed_step(following) < interrupted, following.result.stdout
