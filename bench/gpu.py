@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,16 +97,13 @@ def plans(args, data: Path, workdir: Path) -> list[dict]:
 
 
 def command_text(run: dict, probe_prefix: Path) -> str:
-    return "accelerate launch --config_file accelerate_configs/{} bench/launch_entry.py {} {} -- {}".format(
-        run["config"], run["template"], probe_prefix, " ".join(shlex.quote(a) for a in run["args"]))
+    return harness.launch_text(run["config"], "bench/launch_entry.py",
+                               [run["template"], str(probe_prefix), "--", *run["args"]])
 
 
 def logged(output_dir: Path, key: str, after: int) -> float | None:
-    path = output_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    records = map(json.loads, path.read_text().splitlines())
-    values = [r[key] for r in records if key in r and r["step"] > after and r[key] is not None]
+    """The median of a logged figure over the steps after `after` (None if never logged)."""
+    values = [r[key] for r in harness.read_metrics(output_dir) if r.get(key) is not None and r["step"] > after]
     return statistics.median(values) if values else None
 
 
@@ -135,6 +132,31 @@ def analyse(run: dict, probe: harness.Probe) -> dict:
     return out
 
 
+def measure(run: dict, prefix: Path, *, timeout: float | None = None, threads: int = 0) -> tuple[dict | None, str]:
+    """Launch one planned run and analyse its probe: (result, ""), or (None, why it failed) after printing
+    the end of its output. A run past its timeout is killed, with the processes it started."""
+    t0 = time.perf_counter()
+    try:
+        done, probes = harness.launch(run["config"], run["template"], run["args"], probe_prefix=prefix,
+                                      threads=threads, timeout=run["timeout"] if timeout is None else timeout)
+    except subprocess.TimeoutExpired as error:
+        return None, f"timed out after {error.timeout:.0f}s (killed)"
+    if done.returncode != 0 or 0 not in probes:
+        print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", flush=True)
+        last_error_line = (done.stderr.strip().splitlines() or [""])[-1]
+        return None, f"exit {done.returncode}: {last_error_line}"
+    result = analyse(run, probes[0])
+    result["wall_s"] = time.perf_counter() - t0
+    return result, ""
+
+
+def mfu(result: dict, peak: float | None) -> float | None:
+    """Model FLOPs utilisation of a language-model result at the median step's rate (None without a peak)."""
+    if "flops_per_token" not in result or not peak:
+        return None
+    return result["flops_per_token"] * result["median_rate"] / (peak * 1e12)
+
+
 def peak_tflops(args) -> float | None:
     if args.peak_tflops:
         return args.peak_tflops
@@ -146,7 +168,8 @@ def peak_tflops(args) -> float | None:
     return module.device_peak_tflops(torch.device("cuda", 0), 0.0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options; bench/gpu_check.py takes its defaults from here too."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU: the same launches with a tiny model and a few steps")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
@@ -163,7 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-timeout", type=int, default=60, help="seconds for each image run")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     parser.add_argument("--write-results", action="store_true", help="update the GPU section of bench/RESULTS.md")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     import torch
 
     if not (args.smoke or args.dry_run or torch.cuda.is_available()):
@@ -185,21 +212,11 @@ def main(argv: list[str] | None = None) -> None:
         for i, run in enumerate(runs):
             prefix = workdir / f"probe{i}"
             print(f"{run['label']}: {command_text(run, prefix)}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                done, probes = harness.launch(run["config"], run["template"], run["args"], probe_prefix=prefix,
-                                              threads=0, timeout=run["timeout"])
-            except Exception as error:  # noqa: BLE001 - a timeout: report it and go on
-                failures.append(f"{run['label']}: {error}")
-                print(f"  failed: {error}", flush=True)
+            result, failure = measure(run, prefix)
+            if result is None:
+                failures.append(f"{run['label']}: {failure}")
+                print(f"  failed: {failure}", flush=True)
                 continue
-            if done.returncode != 0 or 0 not in probes:
-                last_error_line = done.stderr.strip().splitlines()[-1:] or ""
-                failures.append(f"{run['label']}: exit {done.returncode}: {last_error_line}")
-                print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", flush=True)
-                continue
-            result = analyse(run, probes[0])
-            result["wall_s"] = time.perf_counter() - t0
             results.append(result)
             print(f"  {result['median_rate']:,.0f} {result['unit']} "
                   f"(median step {result['median_step_ms']:.1f} ms over {result['steps']} steps), "
@@ -210,11 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_tflops(args)
     rows = []
     for r in results:
-        mfu = mfu_text = "-"
-        if "flops_per_token" in r and peak:
-            mfu = r["flops_per_token"] * r["median_rate"] / (peak * 1e12)
-            verdict = "" if args.smoke else (" met" if mfu >= TARGET_MFU else " MISSED")
-            mfu_text = f"{mfu:.1%}{verdict}"
+        mfu_text, utilisation = "-", mfu(r, peak)
+        if utilisation is not None:
+            verdict = "" if args.smoke else (" met" if utilisation >= TARGET_MFU else " MISSED")
+            mfu_text = f"{utilisation:.1%}{verdict}"
         logged_text = "-"
         if r.get("logged_tokens_per_s"):
             logged_mfu_text = f", MFU {r['logged_mfu']:.1%}" if r.get("logged_mfu") else ""

@@ -15,7 +15,9 @@ import math
 import os
 import platform
 import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -398,26 +400,59 @@ def clean_env(threads: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def launch(config: str, template: str, args: list[str], *, probe_prefix: Path, num_processes: int | None = None,
+def launch_text(config: str, script: str, args: list[str]) -> str:
+    """A launch as a user types it; launch() runs the same with this Python, a free port and its thread count."""
+    return shlex.join(["accelerate", "launch", "--config_file", f"accelerate_configs/{config}", script, *args])
+
+
+def run_killable(command: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout), except that a timeout (or a
+    Ctrl-C) kills the whole process group: `accelerate launch` starts the training process as its own child,
+    which killing the launcher alone would leave running, holding the GPU the next run needs."""
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException as error:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the group of the process started here, nothing else
+            stdout, stderr = process.communicate()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def launch(config: str, template: str, args: list[str], *, probe_prefix: Path | None, num_processes: int | None = None,
            threads: int = 1, timeout: float = 600, time_loader: bool = False, env: dict | None = None):
     """`accelerate launch --config_file accelerate_configs/<config> bench/launch_entry.py <template> ...`:
     the template's own main() in real launched processes, each rank writing its probe to
-    <probe_prefix>.rank<N>.json. Returns (completed process, probes by rank)."""
-    import subprocess
-
+    <probe_prefix>.rank<N>.json. Returns (completed process, probes by rank). With probe_prefix None,
+    templates/<template>.py itself is launched, exactly as a user would (no probes: an empty dict).
+    A run past `timeout` is killed with its children and raises subprocess.TimeoutExpired."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
                "--main_process_port", str(free_port())]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     if threads > 0:
         command += ["--num_cpu_threads_per_process", str(threads)]
-    command += [str(ENTRY), template, str(probe_prefix), *(["--time-loader"] if time_loader else []), "--", *args]
-    done = subprocess.run(command, cwd=REPO, env=env or clean_env(threads), capture_output=True, text=True,
-                          timeout=timeout)
+    if probe_prefix is None:
+        command += [str(REPO / "templates" / f"{template}.py"), *args]
+    else:
+        command += [str(ENTRY), template, str(probe_prefix), *(["--time-loader"] if time_loader else []), "--", *args]
+    done = run_killable(command, cwd=REPO, env=env or clean_env(threads), timeout=timeout)
     probes = {}
-    for path in sorted(probe_prefix.parent.glob(f"{probe_prefix.name}.rank*.json")):
-        probes[int(path.name.rsplit(".rank", 1)[1].split(".")[0])] = Probe.from_json(json.loads(path.read_text()))
+    if probe_prefix is not None:
+        for path in sorted(probe_prefix.parent.glob(f"{probe_prefix.name}.rank*.json")):
+            rank = int(path.name.rsplit(".rank", 1)[1].split(".")[0])
+            probes[rank] = Probe.from_json(json.loads(path.read_text()))
     return done, probes
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (none if it has not written one)."""
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def flops_per_token(model, seq_len: int) -> float:

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, clean_env
 
-SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "finetune_loading"]
+SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "gpu_check", "finetune_loading"]
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -71,6 +71,63 @@ def test_gpu_dry_run_builds_the_commands():
 def test_gpu_smoke_runs_the_same_path_on_cpu():
     out = run("bench/gpu.py", "--smoke", "--no-compile", "--tracker", "none").stdout
     assert "language model (smoke: tiny)" in out and "image, digits, batch 64" in out and "FAILED" not in out
+
+
+def run_gpu_check(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """bench/gpu_check.sh as a user runs it, with this Python (the wrapper takes $PYTHON)."""
+    return subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=REPO, env=clean_env(PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_check_dry_run_prints_the_five_checks_commands():
+    done = run_gpu_check("--dry-run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    commands = [line for line in done.stdout.splitlines() if not line.startswith("#")]
+    assert len(commands) == 7, done.stdout  # GPT-2, image, fp16, compiled, and whole / stop / resume
+    assert all(c.startswith("accelerate launch --config_file accelerate_configs/single_gpu.yaml ") for c in commands)
+    gpt2, image, fp16, compiled, whole, stop, resume = commands
+    for part in ("bench/launch_entry.py language_model", "--n_layer 12", "--n_embd 768", "--mixed_precision bf16",
+                 "--compile true", "--tracker none"):
+        assert part in gpt2, part
+    assert " templates/image_classification.py " in image
+    lm = [fp16, compiled, whole, stop, resume]
+    assert all(" templates/language_model.py " in c and "--tracker none" in c for c in lm)  # the user path, no W&B
+    assert "--mixed_precision fp16" in fp16 and "--compile" not in fp16
+    assert "--compile true" in compiled and "--activation_checkpointing true" in compiled
+    assert "--stop_after_steps 50" in stop and "--max_steps 100" in stop and "--resume" not in stop
+    assert "--resume auto" in resume and "--stop_after_steps" not in resume
+
+    def output_dir(command: str) -> str:
+        return command.split("--output_dir ", 1)[1].split()[0]
+
+    assert output_dir(stop) == output_dir(resume) != output_dir(whole)  # continued in the stopped run's folder
+    assert stop.replace(" --stop_after_steps 50", "") == resume.replace(" --resume auto", "")  # same settings
+    assert stop.replace(" --stop_after_steps 50", "").replace(output_dir(stop), output_dir(whole)) == whole
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = run_gpu_check(timeout=60)
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.strip().startswith("error: no GPU here") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_check_smoke_runs_every_check_on_cpu():
+    """The same code path as on a GPU (cpu.yaml, tiny models): every row passes, the table is printed and the
+    stop-and-resume row is bit-exact."""
+    done = run_gpu_check("--smoke")
+    assert done.returncode == 0, f"{done.stdout[-5000:]}\n{done.stderr[-3000:]}"
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert sorted(rows) == ["#", "1", "2", "3", "4", "5"], done.stdout
+    assert all("| pass " in rows[n] for n in "12345"), done.stdout
+    assert "images/s" in rows["2"] and "tokens/s" in rows["1"] and "tokens/s" in rows["4"]
+    assert "skipped steps 0 of" in rows["3"] and "fp16 ignored, trained in fp32" in rows["3"]
+    assert "bit-exact: yes (model.safetensors:" in rows["5"] and "train/loss equal at 8/8 steps" in rows["5"]
+    assert "stop: exit 0, stopped at step 4 (--stop_after_steps); resume: exit 0, finished at step 8" in rows["5"]
+    assert "0 of 5 rows failed" in done.stdout
 
 
 def test_write_results_replaces_only_its_section(tmp_path, monkeypatch):
