@@ -885,3 +885,44 @@ def test_two_ranks_background_saves_write_what_save_state_writes_and_resume_exac
                    [(m.state_dict_metadata, m.storage_data) for m in index][1], name
         else:
             assert written[name] == expected[name], name
+
+
+def test_for_run_takes_the_shared_options_and_the_switch_to_saves_at_the_step(tmp_path, fresh_accelerate):
+    from common.config import RunOptions
+
+    job = setup(tmp_path / "unused")
+    for background in (True, False):
+        cfg = RunOptions(output_dir=str(tmp_path / f"run-{background}"), keep_last=2, checkpoint_every_steps=5,
+                         seed=3, timeout_s=60, checkpoint_background=background)
+        manager = CheckpointManager.for_run(job.accelerator, cfg, template="tiny", metric="val/accuracy", mode="max")
+        assert (manager.background, manager.keep_last, manager.every_steps, manager.seed) == (background, 2, 5, 3)
+        assert manager.output_dir == tmp_path / f"run-{background}"
+        assert manager.config["checkpoint_background"] is background  # recorded with the run (may change on resume)
+        manager.resume("none")
+        manager.save(TrainingState(step=1))
+        assert (manager._pending is not None) is background  # in flight, or written at the step
+        manager.wait()
+        assert [p.name for p in manager.complete_checkpoints()] == ["step_00000001"]
+
+
+def test_a_state_background_saves_cannot_mirror_is_saved_at_the_step_and_said_once(tmp_path, fresh_accelerate,
+                                                                                    capsys):
+    class Counter:  # an object accelerate saves as custom_checkpoint_0.pkl: the background writer does not
+        def __init__(self):
+            self.count = 0
+
+        def state_dict(self):
+            return {"count": self.count}
+
+        def load_state_dict(self, state):
+            self.count = state["count"]
+
+    job = setup(tmp_path / "run", background=True)
+    job.accelerator.register_for_checkpointing(Counter())
+    job.ckpt.resume("none")
+    for step in (1, 2):
+        job.ckpt.save(TrainingState(step=step))
+        assert job.ckpt._pending is None and (job.ckpt.dir / f"step_{step:08d}" / "custom_checkpoint_0.pkl").is_file()
+    out = capsys.readouterr().out
+    assert out.count("checkpoints are written at the step, not in the background: objects registered with "
+                     "accelerator.register_for_checkpointing") == 1, out
