@@ -259,9 +259,12 @@ class CheckpointManager:
     def wait(self) -> None:
         """Until the checkpoint being written in the background is published (call it before the export);
         a SaveError on every rank if its write failed on any. Without a save in flight it returns at once."""
+        self._finish_pending()
+
+    def _finish_pending(self, raise_error: bool = True) -> None:
         job, self._pending = self._pending, None
         if job is not None:
-            job.finish()
+            job.finish(raise_error)
 
     def is_better(self, value: float, state: TrainingState) -> bool:
         if not math.isfinite(value):
@@ -284,9 +287,7 @@ class CheckpointManager:
 
     def kept(self) -> str:
         """For an error message: the newest complete checkpoint (a resume starts there), or that there is none."""
-        job, self._pending = self._pending, None
-        if job is not None:  # let a save in flight finish: the message names what a resume will find
-            job.finish(raise_error=False)
+        self._finish_pending(raise_error=False)  # a save in flight first: the message names what a resume finds
         existing = self.complete_checkpoints()
         return f"the last good checkpoint is kept: {existing[-1]}" if existing else "no checkpoint was saved yet"
 
@@ -418,10 +419,9 @@ class CheckpointManager:
         accelerator = self.accelerator
         plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
         unsupported = _cannot_mirror(accelerator, plugin)
-        if unsupported:
-            if self.background:
-                self._print(f"checkpoints are written at the step, not in the background: {unsupported}")
-                self.background = False
+        if unsupported:  # said once: from here on this run saves at the step
+            self._print(f"checkpoints are written at the step, not in the background: {unsupported}")
+            self.background = False
             return None
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -579,8 +579,7 @@ class _BackgroundSave:
 
     def __init__(self, names: list[str], write, args: tuple):
         self.names = names
-        self.error: BaseException | None = None
-        self.done = False
+        self.error: BaseException | None = None  # set when the write ended in an error
         self.failed_somewhere = False  # set at a step's check when the write failed on any rank
         self._thread = threading.Thread(target=self._run, args=(write, *args), name="checkpoint-writer")
         _BACKGROUND_SAVES.append(self)
@@ -591,8 +590,6 @@ class _BackgroundSave:
             write(*args)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
             self.error = error
-        finally:
-            self.done = True
 
     def finish(self, raise_error: bool = True) -> None:
         self._thread.join()
@@ -605,7 +602,7 @@ class _BackgroundSave:
 
 def background_save_failed() -> bool:
     """Whether a background save of this rank ended in an error (every rank then has it: they agreed on it)."""
-    return any(job.done and job.error is not None for job in _BACKGROUND_SAVES)
+    return any(job.error is not None for job in _BACKGROUND_SAVES)
 
 
 def background_save_failed_somewhere() -> None:
