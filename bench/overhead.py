@@ -193,7 +193,7 @@ def adamw(model, weight_decay: float, lr: float, **kwargs) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, **kwargs)
+    return torch.optim.AdamW(groups, lr=lr, fused=True, **kwargs)  # as the templates build it (CPU and CUDA)
 
 
 def shuffled(dataset, batch_size: int, seed: int, epochs: int | None):

@@ -1,5 +1,5 @@
-"""Optimizer pieces both templates use: their options, weight-decay groups, LR scaling with world size,
-warmup + cosine."""
+"""Optimizer pieces every template uses: their options, weight-decay groups, LR scaling with world size,
+the fused AdamW choice, warmup + cosine."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def scale_learning_rate(base_lr: float, world_size: int, rule: str) -> float:
     if rule == "sqrt":
         return base_lr * math.sqrt(world_size)
     return base_lr
+
+
+def fused_adamw_on(accelerator) -> bool:
+    """Whether to build AdamW fused (one kernel for the whole update instead of a loop of elementwise ops:
+    ~7% of a small model's CPU step): wherever torch has the kernel, the CPU included, but not with an fp16
+    loss scaler. A fused optimizer skips an overflowing step inside its kernel, while accelerate learns that a
+    step was skipped from the optimizer's step not being called: the skip would go uncounted and the learning
+    rate schedule would move on."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch that moved it: the default (foreach) implementation, same results up to rounding
+        return False
+    return accelerator.scaler is None and accelerator.device.type in _get_fused_kernels_supported_devices()
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -30,7 +30,8 @@ from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
+                          weight_decay_groups)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # What using the model needs, with the run and in the export: ResNet(**model), names of its outputs, input side.
     model_info = {"model": model.options, "classes": data.classes, "image_size": data.image_size}
     learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate,
+                                  fused=fused_adamw_on(accelerator))
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, total_steps // 2), total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 

@@ -34,7 +34,8 @@ from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_we
 from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import TokenWindows, build_loaders, split_by_key, token_file_splits  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
+from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
+                          weight_decay_groups)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             block.compile()
     learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate, betas=(0.9, 0.95),
-                                  fused=accelerator.device.type == "cuda")
+                                  fused=fused_adamw_on(accelerator))
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, cfg.max_steps // 2), cfg.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 

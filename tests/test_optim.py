@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.errors import UsageError
-from common.optim import LR_SCALING, scale_learning_rate, warmup_cosine, weight_decay_groups
+from common.optim import LR_SCALING, fused_adamw_on, scale_learning_rate, warmup_cosine, weight_decay_groups
 
 
 # --- LR scaling -------------------------------------------------------------------------------
@@ -105,3 +106,24 @@ def test_warmup_cosine_without_warmup_starts_at_peak():
     assert lrs[0] == pytest.approx(1.0)
     assert lrs[20] == pytest.approx(0.0, abs=1e-12)
 
+
+
+def test_adamw_is_fused_on_the_cpu_unless_a_loss_scaler_must_see_skipped_steps():
+    """The templates ask torch for its fused AdamW wherever it has one (the CPU included): the same update
+    as the default implementation up to rounding. Not under an fp16 loss scaler: a fused step skips an
+    overflow inside its kernel, and accelerate would count no skipped step (test_training_rules checks the count)."""
+    cpu = SimpleNamespace(device=torch.device("cpu"), scaler=None)
+    assert fused_adamw_on(cpu)
+    assert not fused_adamw_on(SimpleNamespace(device=torch.device("cpu"), scaler=torch.amp.GradScaler("cpu")))
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    optimizers = [torch.optim.AdamW(nets[0].parameters(), lr=0.1, fused=fused_adamw_on(cpu)),
+                  torch.optim.AdamW(nets[1].parameters(), lr=0.1)]
+    assert optimizers[0].defaults["fused"]
+    for _ in range(3):
+        for net, optimizer in zip(nets, optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            net(torch.ones(2, 8)).square().sum().backward()
+            optimizer.step()
+    torch.testing.assert_close(nets[0].weight, nets[1].weight)
