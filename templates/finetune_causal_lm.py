@@ -535,7 +535,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
-        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
@@ -556,7 +555,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 prompt_ids = example.input_ids[:first]
             sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
             accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
     return metrics
 
 

@@ -311,8 +311,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar.close()
 
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
-    if stopping:
-        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)
@@ -321,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tracker.summary(metrics | {"best/val_accuracy": state.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "
                           f"(best {state.best_metric:.2%} at step {state.best_step})")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
     return metrics
 
 

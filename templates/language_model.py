@@ -404,7 +404,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
-        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
@@ -421,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
     return metrics
 
 
