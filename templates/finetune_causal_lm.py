@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,15 +273,20 @@ def load_model(cfg: Config, accelerator, config):
 
 def adapt_for_training(model, cfg: Config):
     model.config.use_cache = False  # training takes whole sequences; the sample below needs no cache either
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:  # newer transformers name it activation checkpointing (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r:
         from peft import LoraConfig, get_peft_model
 
         check_lora_targets(model, cfg.lora_target_modules)
         targets = "all-linear" if "all-linear" in cfg.lora_target_modules else cfg.lora_target_modules
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets,
-                                                 lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM"))
+        with warnings.catch_warnings():  # peft asks the model's deprecated `is_gradient_checkpointing` on every run
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                                     lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM"))
     else:
         model = model.float()  # fp32 master weights; accelerate's autocast computes in bf16 where it is on
     if cfg.compile:  # each decoder layer in place: one graph reused by every layer, state-dict keys unchanged
@@ -401,6 +407,11 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
                 plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
             else:
                 unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            adapter_file = tmp / "adapter_config.json"
+            if adapter_file.is_file() and Path(cfg.model).is_dir():  # a local base model by its absolute path, so
+                saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
+                saved["base_model_name_or_path"] = str(Path(cfg.model).resolve())
+                adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
             config_file = tmp / "config.json"
             if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
                 saved = json.loads(config_file.read_text())
