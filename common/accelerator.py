@@ -37,6 +37,7 @@ from common.checkpoint import (
     check_output_dir,
     finish_background_saves,
 )
+import common.errors
 from common.config import MIXED_PRECISION_CHOICES
 from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import say, sweep_run_dir
@@ -275,6 +276,9 @@ def release_process_group() -> None:
             if mesh_class in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
                 obj._pg_registry.clear()
     _GROUPS.clear()  # the last reference: freeing the group joins gloo's worker threads
+
+
+common.errors.release_process_group = release_process_group  # what with_exit_codes calls after main()
 
 
 def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:

@@ -31,8 +31,14 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
-sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
+OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
+sys.path.insert(0, str(OURS.parent))
+# A program importing this file may have a `common` of its own (a monorepo's): set aside while ours is imported,
+# then handed back (common.hand_back, below), so that both work in one process.
+THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
+          == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
+from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_export  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
@@ -40,6 +46,8 @@ from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import OptimOptions, scale_learning_rate, warmup_cosine, weight_decay_groups  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
+
+hand_back(THEIRS, imported=__name__ != "__main__")
 
 # accelerate warns at every checkpoint that it stored a tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
