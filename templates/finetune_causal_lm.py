@@ -1,9 +1,9 @@
 """Fine-tune a pretrained Hugging Face causal LM (full or LoRA) on prompt/completion, chat or text data.
 
     python scripts/make_tiny_model.py runs/tiny --data runs/reverse.jsonl          # offline demo model + task
-    accelerate launch --config_file accelerate_configs/cpu.yaml templates/finetune_causal_lm.py \
+    accelerate launch -q --config_file accelerate_configs/cpu.yaml templates/finetune_causal_lm.py \
         --model runs/tiny --data_path runs/reverse.jsonl --learning_rate 3e-3 --max_steps 150
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 \
+    accelerate launch -q --config_file accelerate_configs/fsdp.yaml --num_processes 8 \
         --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer templates/finetune_causal_lm.py \
         --model meta-llama/Llama-3.2-1B-Instruct --data_path chats.jsonl --lora_r 16
 

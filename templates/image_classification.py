@@ -1,7 +1,7 @@
 """Image classification with a small residual CNN, on CPU, one GPU, DDP or FSDP2.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml templates/image_classification.py
-    accelerate launch --config_file accelerate_configs/ddp.yaml templates/image_classification.py \
+    accelerate launch -q --config_file accelerate_configs/cpu.yaml templates/image_classification.py
+    accelerate launch -q --config_file accelerate_configs/ddp.yaml templates/image_classification.py \
         --data_dir /data/my_images --image_size 64 --epochs 30
 
 Data: scikit-learn's handwritten digits by default (they ship with the package, no download), or

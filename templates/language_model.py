@@ -1,7 +1,7 @@
 """A GPT-style causal language model, trained the same way on CPU, one GPU, DDP or FSDP2.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml templates/language_model.py
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 templates/language_model.py \
+    accelerate launch -q --config_file accelerate_configs/cpu.yaml templates/language_model.py
+    accelerate launch -q --config_file accelerate_configs/fsdp.yaml --num_processes 8 templates/language_model.py \
         --data_path data/openwebtext --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --max_steps 600000
 
 Byte-level by default (one token per byte, no tokenizer to download). Data: the Python standard
