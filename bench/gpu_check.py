@@ -12,7 +12,7 @@ under 8 minutes on an H100/H200-class GPU. Run it as `bash bench/gpu_check.sh` (
      tensor by tensor with torch.equal, and train/loss compared at every step; the exit code and status.json
      of every launch, as the user sees them.
 
-Rows 2-5 launch the templates as a user does: `accelerate launch --config_file accelerate_configs/single_gpu.yaml
+Rows 2-5 launch the templates as a user does: `accelerate launch -q --config_file accelerate_configs/single_gpu.yaml
 templates/<name>.py ...` (run as `python -m accelerate.commands.launch`, the same code, with this Python).
 Rows 3-5 train a 10.7M-parameter byte-level model on the template's default data, the Python standard library:
 big enough to give the GPU work, small enough that their runs take seconds; they check the code paths, row 1

@@ -402,7 +402,7 @@ def clean_env(threads: int, **extra: str) -> dict[str, str]:
 
 def launch_text(config: str, script: str, args: list[str]) -> str:
     """A launch as a user types it; launch() runs the same with this Python, a free port and its thread count."""
-    return shlex.join(["accelerate", "launch", "--config_file", f"accelerate_configs/{config}", script, *args])
+    return shlex.join(["accelerate", "launch", "-q", "--config_file", f"accelerate_configs/{config}", script, *args])
 
 
 def run_killable(command: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -430,7 +430,7 @@ def launch(config: str, template: str, args: list[str], *, probe_prefix: Path | 
     <probe_prefix>.rank<N>.json. Returns (completed process, probes by rank). With probe_prefix None,
     templates/<template>.py itself is launched, exactly as a user would (no probes: an empty dict).
     A run past `timeout` is killed with its children and raises subprocess.TimeoutExpired."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+    command = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file", str(CONFIGS / config),
                "--main_process_port", str(free_port())]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]

@@ -37,6 +37,7 @@ from common.checkpoint import (
     check_output_dir,
     finish_background_saves,
 )
+import common.errors
 from common.config import MIXED_PRECISION_CHOICES
 from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import say, sweep_run_dir
@@ -215,13 +216,20 @@ class PreemptionWatcher:
 
 def end_run(accelerator: Accelerator, status, tracker, preemption: PreemptionWatcher, stopping: bool,
             reason: str) -> None:
-    """What every run does last: record how it ended (status.json, W&B), close the process group, and exit
-    with 75 when it must come back (preempted, not stopped for good by a sweep agent), so a job script or
-    W&B requeues it."""
+    """What every run does last: record how it ended (status.json, W&B), close the process group, say why it
+    stopped, and exit with 75 when it must come back (preempted, not stopped for good by a sweep agent), so a
+    job script or W&B requeues it.
+
+    The stop line comes after W&B's own lines, as the last one; on stderr when the run exits 75, since
+    `accelerate launch` shows (without -q) the tail of stderr when a run exits with another code than 0.
+    """
     requeue = stopping and preemption.requeue
     status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
     tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
     accelerator.end_training()
+    if stopping and accelerator.is_main_process:
+        print(f"stopped at step {status.state.step} by {reason}; checkpoint saved, continue with --resume auto",
+              file=sys.stderr if requeue else sys.stdout, flush=True)
     if requeue:
         sys.exit(EXIT_PREEMPTED)
 
@@ -268,6 +276,9 @@ def release_process_group() -> None:
             if mesh_class in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
                 obj._pg_registry.clear()
     _GROUPS.clear()  # the last reference: freeing the group joins gloo's worker threads
+
+
+common.errors.release_process_group = release_process_group  # what with_exit_codes calls after main()
 
 
 def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:

@@ -57,6 +57,7 @@ from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_optio
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from common.config import config_to_dict
 from common.errors import SaveError, UsageError, is_rank_lost, one_line
 from common.pickle_allowlist import check_pickles
 
@@ -143,8 +144,6 @@ class CheckpointManager:
                 may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
                 model_info: dict | None = None) -> CheckpointManager:
         """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`)."""
-        from common.config import config_to_dict
-
         return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg), metric=metric,
                    mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
                    may_change=may_change, model_info=model_info, background=cfg.checkpoint_background,

@@ -25,6 +25,11 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it; the checkpoints 
 
 F = TypeVar("F", bound=Callable[..., object])
 
+# common.accelerator.release_process_group, set when that module is imported (never imported here: the search
+# runner has no torch). Held here rather than looked up by module name: a program that imported a template may
+# have a `common` of its own under that name (common.hand_back).
+release_process_group: Callable[[], None] | None = None
+
 # Called with (exit code, message) when main() fails after the run started: see RunStatus below.
 _failure_hook: Callable[[int, str], None] | None = None
 
@@ -106,9 +111,8 @@ def _release_process_group(error: BaseException | None = None) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
-    accelerator = sys.modules.get("common.accelerator")  # never imported here: the search runner has no torch
-    if accelerator is not None:
-        accelerator.release_process_group()
+    if release_process_group is not None:
+        release_process_group()
 
 
 def _report(message: str, code: int, every_rank: bool = False) -> None:

@@ -1,9 +1,9 @@
 """Fine-tune a pretrained Hugging Face causal LM (full or LoRA) on prompt/completion, chat or text data.
 
     python scripts/make_tiny_model.py runs/tiny --data runs/reverse.jsonl          # offline demo model + task
-    accelerate launch --config_file accelerate_configs/cpu.yaml templates/finetune_causal_lm.py \
+    accelerate launch -q --config_file accelerate_configs/cpu.yaml templates/finetune_causal_lm.py \
         --model runs/tiny --data_path runs/reverse.jsonl --learning_rate 3e-3 --max_steps 150
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 \
+    accelerate launch -q --config_file accelerate_configs/fsdp.yaml --num_processes 8 \
         --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer templates/finetune_causal_lm.py \
         --model meta-llama/Llama-3.2-1B-Instruct --data_path chats.jsonl --lora_r 16
 
@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,14 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
-sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
+OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
+sys.path.insert(0, str(OURS.parent))
+# A program importing this file may have a `common` of its own (a monorepo's): set aside while ours is imported,
+# then handed back (common.hand_back, below), so that both work in one process.
+THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
+          == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
+from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_export  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
@@ -40,6 +47,8 @@ from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
 from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
                           weight_decay_groups)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
+
+hand_back(THEIRS, imported=__name__ != "__main__")
 
 # accelerate warns at every checkpoint that it stored a tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -273,15 +282,20 @@ def load_model(cfg: Config, accelerator, config):
 
 def adapt_for_training(model, cfg: Config):
     model.config.use_cache = False  # training takes whole sequences; the sample below needs no cache either
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:  # newer transformers name it activation checkpointing (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r:
         from peft import LoraConfig, get_peft_model
 
         check_lora_targets(model, cfg.lora_target_modules)
         targets = "all-linear" if "all-linear" in cfg.lora_target_modules else cfg.lora_target_modules
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets,
-                                                 lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM"))
+        with warnings.catch_warnings():  # peft asks the model's deprecated `is_gradient_checkpointing` on every run
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                                     lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM"))
     else:
         model = model.float()  # fp32 master weights; accelerate's autocast computes in bf16 where it is on
     if cfg.compile:  # each decoder layer in place: one graph reused by every layer, state-dict keys unchanged
@@ -402,6 +416,11 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
                 plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
             else:
                 unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            adapter_file = tmp / "adapter_config.json"
+            if adapter_file.is_file() and Path(cfg.model).is_dir():  # a local base model by its absolute path, so
+                saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
+                saved["base_model_name_or_path"] = str(Path(cfg.model).resolve())
+                adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
             config_file = tmp / "config.json"
             if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
                 saved = json.loads(config_file.read_text())
@@ -536,7 +555,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
-        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
@@ -557,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 prompt_ids = example.input_ids[:first]
             sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
             accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
     return metrics
 
 

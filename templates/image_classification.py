@@ -1,7 +1,7 @@
 """Image classification with a small residual CNN, on CPU, one GPU, DDP or FSDP2.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml templates/image_classification.py
-    accelerate launch --config_file accelerate_configs/ddp.yaml templates/image_classification.py \
+    accelerate launch -q --config_file accelerate_configs/cpu.yaml templates/image_classification.py
+    accelerate launch -q --config_file accelerate_configs/ddp.yaml templates/image_classification.py \
         --data_dir /data/my_images --image_size 64 --epochs 30
 
 Data: scikit-learn's handwritten digits by default (they ship with the package, no download), or
@@ -23,8 +23,14 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
-sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
+OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
+sys.path.insert(0, str(OURS.parent))
+# A program importing this file may have a `common` of its own (a monorepo's): set aside while ours is imported,
+# then handed back (common.hand_back, below), so that both work in one process.
+THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
+          == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
+from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
@@ -33,6 +39,8 @@ from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
 from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
                           weight_decay_groups)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
+
+hand_back(THEIRS, imported=__name__ != "__main__")
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -313,8 +321,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar.close()
 
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
-    if stopping:
-        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)
@@ -323,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tracker.summary(metrics | {"best/val_accuracy": state.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "
                           f"(best {state.best_metric:.2%} at step {state.best_step})")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
     return metrics
 
 

@@ -1,7 +1,7 @@
 """A GPT-style causal language model, trained the same way on CPU, one GPU, DDP or FSDP2.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml templates/language_model.py
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 templates/language_model.py \
+    accelerate launch -q --config_file accelerate_configs/cpu.yaml templates/language_model.py
+    accelerate launch -q --config_file accelerate_configs/fsdp.yaml --num_processes 8 templates/language_model.py \
         --data_path data/openwebtext --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --max_steps 600000
 
 Byte-level by default (one token per byte, no tokenizer to download). Data: the Python standard
@@ -27,8 +27,14 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Subset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
-sys.path.insert(0, str(HERE if (HERE / "common").is_dir() else HERE.parent))
+OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
+sys.path.insert(0, str(OURS.parent))
+# A program importing this file may have a `common` of its own (a monorepo's): set aside while ours is imported,
+# then handed back (common.hand_back, below), so that both work in one process.
+THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
+          == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
+from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
@@ -37,6 +43,8 @@ from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
 from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
                           weight_decay_groups)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
+
+hand_back(THEIRS, imported=__name__ != "__main__")
 
 # accelerate warns at every checkpoint that it stored the tied lm_head.weight once; loading re-ties it.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
@@ -405,7 +413,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
-        accelerator.print(f"stopped at step {state.step} by {reason}; checkpoint saved, continue with --resume auto")
     if state.step == cfg.max_steps:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B; exit 75 to be requeued
+    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
     return metrics
 
 

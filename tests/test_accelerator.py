@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import common.accelerator as accel_module
+from conftest import REPO, clean_env, launch
 from common.accelerator import (MIXED_PRECISION_CHOICES, Throughput, build_accelerator, describe, device_peak_tflops,
                                 resolve_mixed_precision)
 from common.errors import UsageError
@@ -165,3 +168,37 @@ def test_throughput_counts_items_of_all_processes_and_gives_mfu_only_with_a_peak
     assert tokens.items.item() == 10 and tokens.read()["tokens_per_s"] > 0
     assert set(Throughput(accelerator, "images", 10, 0).read()) == {"images_per_s", "time/data_wait", "time/step_ms",
                                                                     "peak_memory_gb"}  # no peak, no MFU
+
+
+# --- what a user reads last under `accelerate launch -q` (README, "Errors and exit codes") -------------------
+# (accelerate config, fault injected by tests/fault_inject.py, the line that must end what the template prints)
+LAST_LINES = {
+    "stop-1-process": ("cpu.yaml", {"FAULT": "signal", "FAULT_SIGNAL": "USR1", "FAULT_STEP": "3"},
+                       "stopped at step 3 by SIGUSR1 (preemption); checkpoint saved, continue with --resume auto"),
+    "nan-1-process": ("cpu.yaml", {"FAULT": "nan_loss", "FAULT_STEP": "3"},
+                      "error: non-finite gradients at step 3 (loss nan); no checkpoint was saved yet"),
+    "nan-2-ranks": ("cpu_ddp.yaml", {"FAULT": "nan_loss", "FAULT_STEP": "3"},
+                    "error: non-finite gradients at step 3 (loss nan); no checkpoint was saved yet"),
+}
+TORCHRUN_LOG = re.compile(r"^[DIWE]\d{4} \d\d:\d\d:\d\d")  # torch.distributed.elastic's log lines
+
+
+def test_the_stop_or_error_line_is_the_last_a_user_reads_under_accelerate_launch_q(tmp_path):
+    """W&B on, offline and not silenced as for a user: the lines it prints when its run ends come before ours.
+    With several ranks torchrun's failure summary follows (accelerate prints it); the template's line ends the rest."""
+    env = {k: v for k, v in clean_env().items() if k != "WANDB_SILENT"}
+
+    def run(name):
+        config, fault, _ = LAST_LINES[name]
+        return launch(config, REPO / "tests" / "fault_inject.py", str(REPO / "templates" / "image_classification.py"),
+                      "--epochs", "1", "--width", "8", "--depth", "1", "--output_dir", str(tmp_path / name),
+                      launcher_args=("-q",), env=env | fault)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(LAST_LINES, pool.map(run, LAST_LINES)))
+    for name, result in results.items():
+        shown = f"{name}: exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        assert result.returncode == 1 and "Traceback" not in result.stderr, shown
+        ours = [line for line in result.stderr.split("=" * 60)[0].splitlines() if line and not TORCHRUN_LOG.match(line)]
+        assert ours[-1] == LAST_LINES[name][2], shown
+        assert "wandb:" in result.stderr, shown  # W&B did print: before

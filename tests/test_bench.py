@@ -84,7 +84,7 @@ def test_gpu_check_dry_run_prints_the_five_checks_commands():
     assert done.returncode == 0, done.stderr[-3000:]
     commands = [line for line in done.stdout.splitlines() if not line.startswith("#")]
     assert len(commands) == 7, done.stdout  # GPT-2, image, fp16, compiled, and whole / stop / resume
-    assert all(c.startswith("accelerate launch --config_file accelerate_configs/single_gpu.yaml ") for c in commands)
+    assert all(c.startswith("accelerate launch -q --config_file accelerate_configs/single_gpu.yaml ") for c in commands)
     gpt2, image, fp16, compiled, whole, stop, resume = commands
     for part in ("bench/launch_entry.py language_model", "--n_layer 12", "--n_embd 768", "--mixed_precision bf16",
                  "--compile true", "--tracker none"):

@@ -429,7 +429,7 @@ def test_preemption_signal_stops_every_rank_at_one_step_with_a_checkpoint_and_ex
             assert launch.result.returncode == 75
         # Every rank learns which signal stopped the job, also from another rank (rank 0 prints the line).
         stopped_line = f"stopped at step {stop} by SIG{event.signal} (preemption); checkpoint saved"
-        assert stopped_line in launch.result.stdout, show(launch)
+        assert stopped_line in launch.result.stderr, show(launch)  # exit 75: on stderr, which launchers show
         periodic = [n for n in launch.checkpoints if n.startswith("step_")]
         assert periodic[-1] == f"step_{stop:08d}" and launch.progress[periodic[-1]] == stop, launch.checkpoints
         assert not [n for n in launch.checkpoints if n.startswith(".tmp-")]

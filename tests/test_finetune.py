@@ -260,6 +260,33 @@ def test_fsdp_lora_trains_and_exports_an_adapter_of_the_named_modules(runs):
     assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"] and adapter["r"] == 8
 
 
+def test_a_lora_run_as_the_readme_types_it_is_quiet_and_its_adapter_loads_from_another_folder(tiny_model, tmp_path):
+    """`--model tiny` typed relative to the working folder: the adapter records the base model's absolute path.
+    Activation checkpointing through transformers' current call, and peft's question about it, warn nothing;
+    `--num_cpu_threads_per_process` keeps accelerate's note about the CPU threads away (README, "Errors and exit
+    codes")."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(tiny_model, work / "tiny")
+    data = write_jsonl(work / "reverse.jsonl", reverse_task(64))
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}  # as in a user's shell
+    result = launch("cpu.yaml", REPO / "templates" / "finetune_causal_lm.py", "--model", "tiny", "--data_path",
+                    data.name, "--lora_r", "4", "--gradient_checkpointing", "true", "--max_steps", "2",
+                    "--eval_every_steps", "2", "--batch_size", "8", "--tracker", "none", "--sample_tokens", "0",
+                    launcher_args=("-q", "--num_cpu_threads_per_process", "1"), cwd=work, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "Warning" not in result.stderr and "num_cpu_threads_per_process" not in result.stderr, result.stderr
+    export = work / "runs" / "finetune_causal_lm" / "model"
+    adapter = json.loads((export / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((work / "tiny").resolve())
+    load = ("import sys; from peft import AutoPeftModelForCausalLM; "
+            "print(type(AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])).__name__)")
+    loaded = subprocess.run([sys.executable, "-c", load, str(export)], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "PeftModelForCausalLM", loaded.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------- bad input
 BAD = {  # name: (options, data lines or None for the default task, the expected part of the one error line)
     "model-missing": (("--model", "{tmp}/no_such_model"), None, "--model {tmp}/no_such_model: cannot load it"),

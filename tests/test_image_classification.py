@@ -344,6 +344,35 @@ def test_a_copy_inside_a_monorepo_imports_its_own_common_not_the_one_above_it(tm
     assert "final validation accuracy" in launched.stdout and (proj / "runs" / "x" / "model.safetensors").is_file()
 
 
+IMPORT_ORDERS = {  # how a program of the monorepo (a notebook at its root) meets the template
+    "monorepo-common-first": "import common.strings; sys.path.insert(0, 'proj'); from train import ResNet, main",
+    "template-first": "sys.path.append('proj'); from train import ResNet, main; import common.strings",
+}
+IN_ONE_PROCESS = """
+import sys
+{imports}
+import common
+model = ResNet(in_channels=1, num_classes=10, width=8, depth=1, stages=3, dropout=0.0)
+metrics = main(["--epochs", "1", "--width", "8", "--depth", "1", "--batch_size", "512", "--tracker", "none",
+                "--num_workers", "0", "--output_dir", "proj/runs/x"])
+import common.strings
+print(common.OWNER, common.strings.shout("still theirs"), "val/accuracy" in metrics)
+"""
+
+
+@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+def test_a_copy_imported_by_a_monorepo_program_leaves_its_common_alone_in_either_order(tmp_path, order):
+    """The README's `from train import ResNet` in a notebook of a repository whose own `common` package is imported
+    before or after: each side keeps its own `common`, and the template still trains in that process."""
+    proj, env = copy_into_monorepo("image_classification", tmp_path, "package")
+    code = IN_ONE_PROCESS.format(imports=IMPORT_ORDERS[order])
+    result = subprocess.run([sys.executable, "-c", code], cwd=proj.parent, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, show(result)
+    assert result.stdout.splitlines()[-1] == "the monorepo STILL THEIRS True", show(result)
+    assert (proj / "runs" / "x" / "model.safetensors").is_file()
+
+
 # ------------------------------------------------------------------------------- 6. bad input
 BAD_INPUTS = {
     "unknown-flag": (["--epoch", "3"], "unknown option --epoch"),

@@ -69,7 +69,7 @@ def test_usr1_to_the_batch_script_checkpoints_every_rank_exits_75_and_requeues(t
     assert sorted(ranks) == [0, 1] and {r["exit_code"] for r in ranks.values()} == {75}, (ranks, shown)
     step = ranks[0]["steps_done"]
     assert ranks[1]["steps_done"] == step, ranks
-    assert f"stopped at step {step} by SIGUSR1 (preemption); checkpoint saved" in stdout, shown
+    assert f"stopped at step {step} by SIGUSR1 (preemption); checkpoint saved" in stderr, shown  # it exits 75
     progress = json.loads((out / "checkpoints" / f"step_{step:08d}" / "progress.json").read_text())
     assert progress["step"] == step and not list((out / "checkpoints").glob(".tmp-*"))
     assert calls.read_text().split("\n") == ["requeue 4242", ""]
