@@ -8,6 +8,7 @@
 - sweep.py: a sweep file read and checked, its parameters drawn with Optuna, a trial's command built
 - trial.py: one trial as a subprocess (process group), its metrics followed as they are logged
 
-Not part of a template's copy: the templates import only common/. Nothing here imports torch or
-accelerate (the trials do, in their own processes); from common/ it uses config and errors.
+Not needed to train (the templates import only common/); a project that wants the local search copies
+search/ beside its common/, as nothing else of this repository is used: from common/ it takes config and
+errors. Nothing here imports torch or accelerate (the trials do, in their own processes).
 """

@@ -6,6 +6,10 @@
 Options after `--` go to every trial after the sampled ones (so they win), e.g. a shorter run.
 Each trial is one subprocess started from the sweep's `command` (usually `accelerate launch`, so a
 trial may use DDP or FSDP), with its own `--output_dir` <output_dir>/<study>/trial_NNNN.
+The sweep's `program` and the command's `--config_file` are paths from the working directory (as
+for `wandb agent`); --program and --config_file replace them, e.g. a shipped sweep file in a copied project:
+
+    python -m search --sweep sweep.yaml --program train.py --config_file cpu.yaml --n_trials 30
 
 - Sampler: from `method` (bayes: TPE, random, grid), seeded with --seed and the trial number, so
   a single worker repeats itself and parallel workers never draw alike. Grid search runs every
@@ -54,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ConfigError, parse_config
+from common.config import ConfigError, format_help, parse_config
 from common.errors import UsageError, with_exit_codes
 from search.sweep import (
     Sweep,
@@ -62,15 +66,21 @@ from search.sweep import (
     check_command_files,
     effective_args,
     effective_values,
+    launcher_config_file,
     load_sweep,
     overridden_args,
     parse_options,
+    with_launch,
 )
 from search.trial import run_trial, trial_env
 
 SAMPLERS = ("auto", "tpe", "random", "grid")
 PRUNERS = ("auto", "hyperband", "median", "none")
 RESULTS_FILE = "results.json"
+SYNOPSIS = "python -m search --sweep FILE [--option=VALUE ...] [-- <template options>]"
+AFTER_SEPARATOR = ("  -- <template options>\n"
+                   "      Options for every run of the program (e.g. -- --epochs=10 --tracker=none), after the "
+                   "sweep's values: they win.")
 
 
 @dataclass
@@ -78,6 +88,10 @@ class SearchConfig:
     """Run (or continue) an Optuna study over a W&B sweep file; several workers may share it."""
 
     sweep: str = field(metadata={"help": "The sweep YAML (e.g. sweeps/image_classification.yaml)."})
+    program: str | None = field(default=None, metadata={
+        "help": "The script the trials run instead of the sweep's `program` (e.g. your copied train.py)."})
+    config_file: str | None = field(default=None, metadata={
+        "help": "The accelerate config the trials launch with instead of the sweep command's --config_file."})
     n_trials: int = field(default=20, metadata={
         "help": "Finished trials (complete or pruned) the study should have in total."})
     study_name: str | None = field(default=None, metadata={"help": "Default: the sweep's `name`, else its file name."})
@@ -128,11 +142,19 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def parse_runner_config(config_cls, own: list[str], usage: str):
+def parse_runner_config(config_cls, own: list[str], usage: str, synopsis: str):
     """parse_config, with a hint on an unknown option: it may be one for the trials, which go after `--`.
 
-    `usage` is how the runner starts, e.g. "python -m search --sweep ...".
+    `usage` is how the runner starts, e.g. "python -m search --sweep ..."; `synopsis` is --help's usage line,
+    with the `-- <template options>` that parse_config's own help does not know of.
     """
+    if "-h" in own or "--help" in own:
+        options = format_help(config_cls).split("\n", 1)[1]  # below parse_config's usage line
+        try:
+            print(f"usage: {synopsis}\n{options}\n{AFTER_SEPARATOR}", flush=True)
+        except BrokenPipeError:  # `--help | head` stopped reading: fine, and nothing more to say at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
     try:
         return parse_config(config_cls, own)
     except ConfigError as error:
@@ -425,7 +447,7 @@ def run_one(study, sweep: Sweep, cfg: SearchConfig, extra: list[str], study_dir:
 def search(cfg: SearchConfig, extra: list[str]) -> dict:
     optuna = _optuna()
     TrialState = optuna.trial.TrialState
-    sweep = load_sweep(cfg.sweep)
+    sweep = with_launch(load_sweep(cfg.sweep), cfg.program, cfg.config_file)
     check_command_files(sweep)  # a missing accelerate config would fail every trial with a traceback
     if any(token.split("=")[0] == "--output_dir" for token in extra):
         raise UsageError("--output_dir after `--`: the runner gives every trial its own; "
@@ -450,7 +472,8 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
         study.set_user_attr("sweep", current)
         study.set_user_attr("sweep_path", str(sweep.path))
     elif stored != current:
-        print(f"warning: study {study_name!r} was started with a different sweep file content; "
+        print(f"warning: study {study_name!r} was started with a different sweep (file content, --program or "
+              "--config_file); "
               "its earlier trials still guide the sampler", file=sys.stderr, flush=True)
 
     target = cfg.n_trials
@@ -568,6 +591,8 @@ def collect_results(study, sweep: Sweep, storage_spec: str, target: int) -> dict
         "study_name": study.study_name,
         "storage": hide_password(storage_spec),
         "sweep": str(sweep.path),
+        "program": sweep.program,  # what the trials ran (--program, else the sweep's), for search.seeds
+        "config_file": (launcher_config_file(sweep.command) or (None, None))[1],
         "metric": sweep.metric,
         "goal": sweep.goal,
         "n_trials": target,
@@ -608,6 +633,6 @@ def format_table(results: dict, sweep: Sweep) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_runner_config(SearchConfig, own, "python -m search --sweep ...")
+    cfg = parse_runner_config(SearchConfig, own, "python -m search --sweep ...", SYNOPSIS)
     return search(cfg, extra)
 

@@ -29,10 +29,11 @@ from pathlib import Path
 
 from common.errors import UsageError, with_exit_codes
 from search.runner import parse_runner_config, split_passthrough
-from search.sweep import build_command, check_command_files, effective_args, load_sweep
+from search.sweep import build_command, check_command_files, effective_args, load_sweep, with_launch
 from search.trial import run_trial, trial_env
 
 REPORT_FILE = "seeds.json"
+SYNOPSIS = "python -m search.seeds (--results FILE | --sweep FILE) [--option=VALUE ...] [-- <template options>]"
 
 
 @dataclass
@@ -44,6 +45,10 @@ class SeedsConfig:
     trial: int = field(default=-1, metadata={"help": "With --results: this trial number instead of the best."})
     sweep: str | None = field(default=None, metadata={
         "help": "The sweep YAML (command, metric, constants); default: the one --results names."})
+    program: str | None = field(default=None, metadata={
+        "help": "The script to run instead of the sweep's `program`; default with --results: the search's."})
+    config_file: str | None = field(default=None, metadata={
+        "help": "The accelerate config instead of the command's --config_file; default with --results: the search's."})
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds to run, e.g. 0,1,2."})
     output_dir: str = field(default="runs/seeds", metadata={"help": "Runs go to <output_dir>/<name>/seed_<seed>."})
     name: str | None = field(default=None, metadata={
@@ -107,7 +112,14 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
         extra = [*record.get("extra_args", []), *extra]  # as the trial ran, then ours
         source = f"trial {record['number']} of {cfg.results}"
     sweep_path = cfg.sweep or (results or {}).get("sweep")
-    sweep = load_sweep(sweep_path)
+    program, config_file = cfg.program, cfg.config_file
+    if results and not cfg.sweep:  # the sweep the search ran, launched as it launched it
+        program, config_file = program or results.get("program"), config_file or results.get("config_file")
+        for option, path in (("program", program), ("config_file", config_file)):
+            if path and not getattr(cfg, option) and not Path(path).is_file():
+                raise UsageError(f"--results {cfg.results}: the search's {option} {path} does not exist here "
+                                 f"(relative to {os.getcwd()}); run where the search ran, or give --{option}")
+    sweep = with_launch(load_sweep(sweep_path), program, config_file)
     check_command_files(sweep)
     if not cfg.results:
         params = sweep.constants()
@@ -189,7 +201,7 @@ def format_report(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = split_passthrough(argv)
-    cfg = parse_runner_config(SeedsConfig, own, "python -m search.seeds ...")
+    cfg = parse_runner_config(SeedsConfig, own, "python -m search.seeds ...", SYNOPSIS)
     return run_seeds(cfg, extra)
 
 

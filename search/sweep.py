@@ -27,6 +27,7 @@ with Python's `str()` of each value.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -378,6 +379,21 @@ def overridden_args(values: dict[str, Any], extra: list[str] = ()) -> list[str]:
     return [f"--{name}={value}" for name, value in values.items() if name.replace("-", "_") in given]
 
 
+def launcher_config_file(command: list[str]) -> tuple[int, str] | None:
+    """The launcher's --config_file in a sweep's `command`: (index of the word holding the path, the path), or None.
+
+    Only the words before `${program}` (or the args) are the launcher's; a --config_file after them is the program's.
+    """
+    ends = [i for i, token in enumerate(command) if token in {"${program}", *(f"${{{m}}}" for m in ARG_MACROS)}]
+    launcher = command[: min(ends)] if ends else command
+    for i, token in enumerate(launcher):
+        if token == "--config_file" and i + 1 < len(launcher):
+            return i + 1, launcher[i + 1]
+        if token.startswith("--config_file="):
+            return i, token.split("=", 1)[1]
+    return None
+
+
 def check_command_files(sweep: Sweep, cwd: str | os.PathLike | None = None) -> None:
     """Refuse a sweep whose command names an accelerate config file, or a program, that does not exist.
 
@@ -386,29 +402,60 @@ def check_command_files(sweep: Sweep, cwd: str | os.PathLike | None = None) -> N
     Paths are relative to `cwd` (default: the working directory), as the trials will see them.
     """
     base = Path(cwd or os.getcwd())
-    words = list(sweep.command)
-    ends = [i for i, token in enumerate(words) if token in {"${program}", *(f"${{{m}}}" for m in ARG_MACROS)}]
-    launcher = words[: min(ends)] if ends else words  # the launcher's own options, before the program
-    for i, token in enumerate(launcher):
-        value = launcher[i + 1] if token == "--config_file" and i + 1 < len(launcher) else (
-            token.split("=", 1)[1] if token.startswith("--config_file=") else None)
-        if value is not None and not (base / expand_envvars(value)).is_file():
-            raise UsageError(f"sweep file {sweep.path}: the command's --config_file {value} does not exist "
-                             f"(relative to {base})")
-    if "${program}" in words and sweep.program and not (base / str(sweep.program)).is_file():
+    found = launcher_config_file(sweep.command)
+    if found is not None and not (base / expand_envvars(found[1])).is_file():
+        raise UsageError(f"sweep file {sweep.path}: the command's --config_file {found[1]} does not exist "
+                         f"(relative to {base})")
+    if "${program}" in sweep.command and sweep.program and not (base / str(sweep.program)).is_file():
         raise UsageError(f"sweep file {sweep.path}: program {sweep.program} does not exist (relative to {base})")
+
+
+def with_launch(sweep: Sweep, program: str | None = None, config_file: str | None = None) -> Sweep:
+    """The sweep with its `program` and its command's accelerate --config_file replaced (the runners'
+    --program and --config_file), so a copied project runs its own train.py with a sweep file as shipped.
+
+    Both are paths relative to the working directory, as the trials see them. A --config_file where the
+    command names none is added after `accelerate launch`. Refused in one line: a path that does not exist,
+    a command without `${program}` (for --program) or without `accelerate launch` (for --config_file).
+    """
+    command, config = list(sweep.command), dict(sweep.config)
+    for option, path in (("--program", program), ("--config_file", config_file)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{option} {path} does not exist (relative to {os.getcwd()})")
+    if program is not None:
+        if "${program}" not in command:
+            raise UsageError(f"--program {program}: the command of sweep file {sweep.path} has no ${{program}}")
+        config["program"] = program
+    if config_file is not None:
+        found, at = launcher_config_file(command), launch_options_at(command)
+        if found is not None:
+            index, _ = found
+            command[index] = f"--config_file={config_file}" if command[index].startswith("--") else config_file
+        elif at is not None:
+            command[at:at] = ["--config_file", config_file]
+        else:
+            raise UsageError(f"--config_file {config_file}: the command of sweep file {sweep.path} "
+                             "starts no `accelerate launch`")
+        config["command"] = command
+    return dataclasses.replace(sweep, program=config.get("program"), command=command, config=config)
+
+
+def launch_options_at(argv: list[str]) -> int | None:
+    """Where `accelerate launch`'s own options start in `argv` (after `launch`), or None without one."""
+    for i, token in enumerate(argv[:-1]):
+        if os.path.basename(token) == "accelerate" and argv[i + 1] == "launch":
+            return i + 2
+        if token == "accelerate.commands.launch":
+            return i + 1
+    return None
 
 
 def add_launch_port(argv: list[str]) -> list[str]:
     """Give `accelerate launch` its own free rendezvous port unless the command sets one."""
-    if any(token.startswith("--main_process_port") for token in argv):
+    at = launch_options_at(argv)
+    if at is None or any(token.startswith("--main_process_port") for token in argv):
         return argv
-    for i, token in enumerate(argv[:-1]):
-        if ((os.path.basename(token) == "accelerate" and argv[i + 1] == "launch")
-                or token == "accelerate.commands.launch"):
-            at = i + 2 if argv[i + 1] == "launch" else i + 1
-            return argv[:at] + [f"--main_process_port={free_port()}"] + argv[at:]
-    return argv
+    return argv[:at] + [f"--main_process_port={free_port()}"] + argv[at:]
 
 
 def free_port() -> int:

@@ -167,6 +167,8 @@ CASES = {
     "search/missing-accelerate-config": Case("search", ("--sweep", "{data}/missing_config_sweep.yaml"),
                                              "the command's --config_file accelerate_configs/no_such_config.yaml "
                                              "does not exist"),
+    "search/missing-program": Case("search", ("--sweep", "{data}/sweep.yaml", "--program", "no_such_train.py"),
+                                   "--program no_such_train.py does not exist"),
 }
 
 
@@ -348,7 +350,7 @@ def test_every_option_of_both_templates_has_a_range_checked_alike_and_shown_by_h
     assert {k: v for k, v in image.items() if k in lm} == {k: v for k, v in lm.items() if k in image}  # the same way
 
 
-@pytest.mark.parametrize("program", ["image", "lm"])
+@pytest.mark.parametrize("program", ["image", "lm", "search"])
 def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
     """`python templates/x.py --help | head`: head may be gone before the help is written."""
     child = subprocess.Popen(command(program, ["--help"]), cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,

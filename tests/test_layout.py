@@ -1,4 +1,4 @@
-"""Where code lives: common/ holds only what the templates import; the search tools live in search/."""
+"""Where code lives: common/ holds only what the templates import; the search tools live in search/, beside it."""
 
 from __future__ import annotations
 
@@ -60,3 +60,12 @@ def test_the_search_tools_load_without_torch_or_accelerate():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_search_tools_need_only_common_beside_them():
+    """A project copies search/ next to common/ for `python -m search`: nothing else of this repository is needed."""
+    local = {path.stem for path in REPO.glob("*.py")} | {path.parent.name for path in REPO.glob("*/*.py")}
+    local -= {"common", "search"}  # (the sweep files' folder holds no Python: `sweeps` is wandb's sweep engine)
+    offenders = sorted(f"{path.relative_to(REPO)}: {name}" for path in (REPO / "search").glob("*.py")
+                       for name in imported_modules(path) if name.split(".")[0] in local)
+    assert offenders == []

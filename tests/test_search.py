@@ -21,17 +21,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CONFIGS, REPO, clean_env, free_port, processes_mentioning, wait_for_no_processes
+from conftest import (CONFIGS, REPO, clean_env, copy_template_alone, free_port, processes_mentioning,
+                      wait_for_no_processes)
 from helpers import read_metrics
 
 from search import runner as search_module
 from search import seeds as seeds_module
 from search.runner import SearchConfig, fail_stale_trials, make_pruner, make_sampler
 from search.seeds import summarize
-from search.sweep import build_command, load_sweep
+from search.sweep import build_command, check_command_files, load_sweep, with_launch
 from search.trial import run_trial
 
 import optuna
+from common.errors import UsageError
 
 FAKE = REPO / "tests" / "fake_trial.py"
 TEMPLATE = REPO / "templates" / "image_classification.py"
@@ -55,8 +57,9 @@ def write_sweep(tmp_path: Path, name: str = "fake", **config) -> Path:
 
 
 def cli(module: str, *args: str, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout, **popen)
+    popen = {"cwd": REPO, "env": clean_env(), **popen}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          **popen)
 
 
 def start_cli(module: str, *args: str) -> subprocess.Popen:
@@ -151,6 +154,10 @@ def test_bad_sweep_file_is_one_error_line_and_exit_2(tmp_path, capsys, text, exp
     (search_module, ["--storage", "nosuchdb://x"], "--storage nosuchdb://x: cannot open it"),
     (seeds_module, ["--seeds", "1,1"], "seeds must differ"),
     (seeds_module, ["--results", "missing.json"], "--results missing.json: not found"),
+    (search_module, ["--program", "missing.py"], "--program missing.py does not exist (relative to "),
+    (search_module, ["--config_file", "missing.yaml"], "--config_file missing.yaml does not exist (relative to "),
+    (search_module, ["--config_file", str(FAKE)], "starts no `accelerate launch`"),
+    (seeds_module, ["--program", "missing.py"], "--program missing.py does not exist (relative to "),
 ])
 def test_bad_runner_options_are_one_error_line_and_exit_2(tmp_path, capsys, module, args, expected):
     with pytest.raises(SystemExit) as exit_info:
@@ -226,6 +233,28 @@ def test_trial_command_is_the_sweep_command_with_macros_filled(tmp_path):
     assert argv[:3] == ["/usr/bin/env", "accelerate", "launch"] and argv[3].startswith("--main_process_port=")
     assert argv[4:] == ["--config_file", "c.yaml", str(FAKE), "--lr=0.5", "--aug=True", "--w=[1, 2]", "--epochs=3",
                         "--output_dir=/out", "--x=1"]
+
+
+def test_program_and_config_file_replace_the_sweep_files_paths(tmp_path, monkeypatch):
+    """--program and --config_file: a shipped sweep file runs a copied project's train.py with its own config."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "cpu.yaml"):
+        (tmp_path / name).touch()
+    for path in sorted((REPO / "sweeps").glob("*.yaml")):
+        sweep = with_launch(load_sweep(path), "train.py", "cpu.yaml")
+        check_command_files(sweep)  # relative to the working directory, as the trials see them
+        argv = build_command(sweep, sweep.constants(), [], "out")
+        at = argv.index("--config_file")
+        assert argv[at:at + 3] == ["--config_file", "cpu.yaml", "train.py"], (path, argv)
+    joined = load_sweep(write_sweep(tmp_path, command=["accelerate", "launch", "--config_file=a.yaml", "${program}",
+                                                       "${args}"]))
+    assert with_launch(joined, config_file="cpu.yaml").command[:3] == ["accelerate", "launch", "--config_file=cpu.yaml"]
+    default = load_sweep(write_sweep(tmp_path, command=["accelerate", "launch", "${program}", "${args}"]))
+    assert with_launch(default, config_file="cpu.yaml").command[:4] == ["accelerate", "launch", "--config_file",
+                                                                          "cpu.yaml"]
+    fixed = load_sweep(write_sweep(tmp_path, command=["python", "own.py", "${args}"]))
+    with pytest.raises(UsageError, match=r"--program train.py: the command of sweep file .* has no \$\{program\}"):
+        with_launch(fixed, program="train.py")
 
 
 # ------------------------------------------------------------------------------------ trial runner
@@ -387,6 +416,78 @@ def test_seeds_print_and_store_the_options_as_they_ran(tmp_path):
     assert "--evals=5" not in ran.stdout
     report = json.loads((tmp_path / "s" / "fake" / "seeds.json").read_text())
     assert report["effective_args"] == ["--score=0.5", "--evals=2"] and report["seeds"][0]["evals"] == 2
+
+
+# ------------------------------------------------------------------------------------ a copied project
+def copied_project(root: Path, program: Path) -> tuple[Path, dict[str, str]]:
+    """`program` as train.py, common/ and search/ copied into an empty `root/app`, as README's "Use a template in
+    your project" says, and an environment in which this repository's packages are not importable."""
+    app, env = copy_template_alone("image_classification", root)
+    (app / "image_classification.py").unlink()
+    shutil.copy2(program, app / "train.py")
+    shutil.copytree(REPO / "search", app / "search", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return app, env
+
+
+def test_a_sweep_files_program_is_relative_to_where_the_search_runs(tmp_path):
+    """The user's own sweep file, in a subfolder, names `program: train.py`: found from where `python -m search`
+    runs (as under `wandb agent`). --program runs another script; search.seeds --results runs what the search ran."""
+    app, env = copied_project(tmp_path, FAKE)
+    (app / "sweeps").mkdir()
+    write_sweep(app / "sweeps", name="mysweep", program="train.py")
+    done = cli("search", "--sweep", "sweeps/mysweep.yaml", "--n_trials", "2", cwd=app, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((app / "runs/search/mysweep/results.json").read_text())
+    assert results["program"] == "train.py" and results["counts"] == {"complete": 2}, results
+    for trial in results["trials"]:
+        assert trial["argv"][2] == "train.py" and read_metrics(app / trial["output_dir"])
+
+    (app / "train_v2.py").write_text('print("this is train_v2.py")\n' + FAKE.read_text())
+    done = cli("search", "--sweep", "sweeps/mysweep.yaml", "--program", "train_v2.py", "--study_name", "v2",
+               "--n_trials", "1", cwd=app, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    trial = json.loads((app / "runs/search/v2/results.json").read_text())["trials"][0]
+    assert trial["state"] == "complete"
+    assert "this is train_v2.py" in (app / trial["output_dir"] / "trial.log").read_text()
+    ran = cli("search.seeds", "--results", "runs/search/v2/results.json", "--seeds", "0", cwd=app, env=env)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    seed = json.loads((app / "runs/seeds/v2/seeds.json").read_text())["seeds"][0]
+    assert seed["state"] == "complete" and "this is train_v2.py" in (app / seed["output_dir"] / "trial.log").read_text()
+
+
+def test_a_copied_project_searches_its_train_py_with_a_shipped_sweep_file(tmp_path):
+    """README, "Use a template in your project": the template as train.py, common/, search/, an accelerate config
+    and a shipped sweep file in an empty folder; there, --help shows the `--` form, `python -m search` runs that
+    train.py through `accelerate launch` (two 1-epoch trials) and `search.seeds --results` reruns the best."""
+    app, env = copied_project(tmp_path, TEMPLATE)
+    shutil.copy2(CONFIGS / "cpu.yaml", app / "cpu.yaml")
+    shutil.copy2(REPO / "sweeps" / "image_classification.yaml", app / "sweep.yaml")
+    for module, usage in (
+            ("search", "usage: python -m search --sweep FILE [--option=VALUE ...] [-- <template options>]"),
+            ("search.seeds", "usage: python -m search.seeds (--results FILE | --sweep FILE) [--option=VALUE ...] "
+                             "[-- <template options>]")):
+        shown = cli(module, "--help", cwd=app, env=env)
+        assert shown.returncode == 0 and shown.stdout.splitlines()[0] == usage, shown.stdout + shown.stderr
+        assert "  --program str|none" in shown.stdout and "\n  -- <template options>\n" in shown.stdout
+
+    done = cli("search", "--sweep", "sweep.yaml", "--program", "train.py", "--config_file", "cpu.yaml",
+               "--n_trials", "2", "--", "--epochs=1", "--width=8", "--depth=1", "--tracker=none",
+               cwd=app, env=env, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads((app / "runs/search/image_classification/results.json").read_text())
+    assert results["counts"] == {"complete": 2}, done.stdout
+    for trial in results["trials"]:
+        at = trial["argv"].index("--config_file")
+        assert trial["argv"][at:at + 3] == ["--config_file", "cpu.yaml", "train.py"]
+        config = json.loads((app / trial["output_dir"] / "run.json").read_text())["config"]
+        assert (config["epochs"], config["width"]) == (1, 8)
+        assert config["learning_rate"] == trial["args"]["learning_rate"]
+
+    ran = cli("search.seeds", "--results", "runs/search/image_classification/results.json", "--seeds", "0",
+              cwd=app, env=env, timeout=300)  # the search's train.py and cpu.yaml, not the file's paths
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-4000:]
+    seed = json.loads((app / "runs/seeds/image_classification/seeds.json").read_text())["seeds"][0]
+    assert seed["value"] == results["best"]["value"]  # seed 0 is the trials' seed too: the best trial, repeated
 
 
 # ------------------------------------------------------------------------------- end to end (real)
