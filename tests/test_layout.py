@@ -39,10 +39,10 @@ def test_every_module_in_common_is_imported_by_a_template():
     assert unused == [], f"imported by no template (move it out of common/): {unused}"
 
 
-def test_common_holds_at_most_eight_small_modules():
-    """What a project copies stays small enough to read: one job per module, eight modules at most."""
+def test_common_holds_at_most_nine_small_modules():
+    """What a project copies stays small enough to read: one job per module, nine modules at most."""
     modules = sorted(p.name for p in (REPO / "common").glob("*.py") if p.stem != "__init__")
-    assert len(modules) <= 8, modules
+    assert len(modules) <= 9, modules
 
 
 def test_common_does_not_import_the_search_tools():
