@@ -343,6 +343,8 @@ class CheckpointManager:
         whether any rank failed (a full disk, say), so a failure on one rank ends the save on all of them
         at once instead of at --timeout_s.
         """
+        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
+
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         # Decided on the main process and shared, so all ranks agree on whether to write the state.
         twin = [self._checkpoint_of_same_step(meta["step"], exclude=name) if self.accelerator.is_main_process
@@ -355,7 +357,15 @@ class CheckpointManager:
                   (twin is None, self._write_state, (tmp, snapshot, group)),  # a twin's files are linked instead
                   (main, self._publish, (tmp, final, meta, twin)))
         for runs_here, phase, args in phases:
-            failure = self._any_failure(self._failure(phase, *args) if runs_here else None, group)
+            failure = None
+            try:
+                if runs_here:
+                    phase(*args)
+            except (OSError, CheckpointException) as error:
+                if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
+                    raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
+                failure = _reason(error)
+            failure = self._any_failure(failure, group)
             if failure is not None:
                 kept = [p.name for p in self.complete_checkpoints()]
                 previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
@@ -363,19 +373,6 @@ class CheckpointManager:
                 raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
                                 f"and the incomplete {tmp.name} is ignored on resume")
         return final
-
-    @staticmethod
-    def _failure(phase, *args) -> str | None:
-        """Run a phase of a save on this rank; what went wrong, or None."""
-        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
-
-        try:
-            phase(*args)
-        except (OSError, CheckpointException) as error:
-            if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
-                raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
-            return _reason(error)
-        return None
 
     def _start_folder(self, tmp: Path, twin: Path | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
