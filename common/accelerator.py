@@ -32,7 +32,7 @@ from accelerate.utils import (
 )
 
 from common.background_save import finish_background_saves
-from common.checkpoint import check_output_dir
+from common.checkpoint import CheckpointManager, check_output_dir
 from common.config import MIXED_PRECISION_CHOICES
 from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import say, sweep_run_dir
@@ -152,7 +152,7 @@ class PreemptionWatcher:
         if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
             self.received = signum
 
-    def check_step(self, grad_norm: torch.Tensor, checkpoints=None) -> bool:
+    def check_step(self, grad_norm: torch.Tensor, checkpoints: CheckpointManager | None = None) -> bool:
         """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange, and
         whether the background write of `checkpoints` (the run's CheckpointManager) failed on any rank.
 
