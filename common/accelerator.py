@@ -31,13 +31,8 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.checkpoint import (
-    background_save_failed,
-    background_save_failed_somewhere,
-    check_output_dir,
-    finish_background_saves,
-)
-import common.errors
+from common.background_save import finish_background_saves
+from common.checkpoint import CheckpointManager, check_output_dir
 from common.config import MIXED_PRECISION_CHOICES
 from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import say, sweep_run_dir
@@ -157,27 +152,28 @@ class PreemptionWatcher:
         if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
             self.received = signum
 
-    def check_step(self, grad_norm: torch.Tensor) -> bool:
+    def check_step(self, grad_norm: torch.Tensor, checkpoints: CheckpointManager | None = None) -> bool:
         """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange, and
-        whether a background checkpoint write failed on any rank.
+        whether the background write of `checkpoints` (the run's CheckpointManager) failed on any rank.
 
         Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so that
         non-finite gradients stop the run before they are applied. One small all-reduce and one host
         sync for all three (a sync drains a GPU's launch queue: one per step at most); the `stop_requested()`
         that follows at this step answers from it without another collective, and a failed background save
-        is raised by the checkpoint manager's `save_if_due` at this step, on every rank alike.
+        is raised by the checkpoint manager's `save_if_due` at this step, on every rank alike. The manager is
+        passed at each call, not kept: the signal handlers keep this watcher alive to the end of the process.
         """
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
         flags = torch.zeros(3, dtype=torch.int32, device=self.device)  # filled on the device: no host copy
         flags[0] = ~torch.isfinite(grad_norm.detach().reshape(()))
         flags[1] = _RANK.get(self.received, 1)
-        flags[2] = background_save_failed()
+        flags[2] = checkpoints is not None and checkpoints.write_failed()
         if self.num_processes > 1 and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the norm is the same everywhere; the rest is not
         non_finite, self._agreed, save_failed = flags.tolist()
-        if save_failed:
-            background_save_failed_somewhere()
+        if save_failed and checkpoints is not None:
+            checkpoints.write_failed_on_a_rank()
         return not non_finite
 
     def stop_requested(self) -> bool:
@@ -260,8 +256,8 @@ def release_process_group() -> None:
     inside a destructor: std::terminate, SIGABRT, and a finished run exits -6 (README, "Errors and exit
     codes"). Freeing the group joins its threads, with the GIL released, so each let-go happens first.
 
-    Call it after the training function has returned, as `with_exit_codes` does: its model holds the
-    group too. Without a process group it does nothing.
+    Call it after the training function has returned, as `with_exit_codes(release=release_process_group)`
+    does: its model holds the group too. Without a process group it does nothing.
     """
     finish_background_saves()  # a checkpoint still being written ends first: its thread uses a group of its own
     if not _GROUPS and not (dist.is_available() and dist.is_initialized()):
@@ -276,9 +272,6 @@ def release_process_group() -> None:
             if mesh_class in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
                 obj._pg_registry.clear()
     _GROUPS.clear()  # the last reference: freeing the group joins gloo's worker threads
-
-
-common.errors.release_process_group = release_process_group  # what with_exit_codes calls after main()
 
 
 def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:

@@ -14,9 +14,10 @@ every rank with a SaveError and publishes nothing; old checkpoints lose `progres
 they are deleted, so a deletion cut short never leaves a folder that looks complete.
 
 In the background (the templates' default) a save copies the state to host memory at the step, the part
-that must happen there, and a thread writes, syncs and publishes it while training goes on; the next save
-waits for it, `wait()` too (before the export and a preemption exit), and a write that failed on any rank
-ends the run at the next step on every rank (agreed in `PreemptionWatcher.check_step`'s exchange).
+that must happen there, and a thread writes, syncs and publishes it while training goes on
+(`common.background_save`); the next save waits for it, `wait()` too (before the export and a preemption
+exit), and a write that failed on any rank ends the run at the next step on every rank (agreed in
+`PreemptionWatcher.check_step(grad_norm, ckpt)`'s exchange).
 
 Before a checkpoint loads, `common.pickle_allowlist.check_pickles` refuses it if a pickle in it could run code.
 """
@@ -28,36 +29,21 @@ import json
 import math
 import os
 import pickle
-import random
 import re
 import shutil
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
-
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.data_loader import IterableDatasetShard
-from accelerate.state import PartialState
-from accelerate.utils import DistributedType, broadcast_object_list, clean_state_dict_for_safetensors, set_seed
-from accelerate.utils.constants import (
-    FSDP_MODEL_NAME,
-    OPTIMIZER_NAME,
-    RNG_STATE_NAME,
-    SAFE_WEIGHTS_NAME,
-    SCALER_NAME,
-    SCHEDULER_NAME,
-)
-from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
+from accelerate.utils import broadcast_object_list, set_seed
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.config import config_to_dict
+from common.background_save import BackgroundSave, HostCopy, Snapshot, cannot_mirror, snapshot_state
 from common.errors import SaveError, UsageError, is_rank_lost, one_line
 from common.pickle_allowlist import check_pickles
 
@@ -131,8 +117,8 @@ class CheckpointManager:
         self.seed = seed
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
         self.background = background
-        self._pending: _BackgroundSave | None = None  # the save being written in the background
-        self._host_copy = _HostCopy(pin_memory=accelerator.device.type == "cuda")
+        self._pending: BackgroundSave | None = None  # the save being written in the background
+        self._host_copy = HostCopy(pin_memory=accelerator.device.type == "cuda")
         self._group = None
         if background and accelerator.num_processes > 1 and dist.is_initialized():
             # The background writer's own group: its collectives (agreeing on failures, FSDP's sharded writes)
@@ -265,6 +251,15 @@ class CheckpointManager:
         if job is not None:
             job.finish(raise_error)
 
+    def write_failed(self) -> bool:
+        """Whether this rank's background write ended in an error (`PreemptionWatcher.check_step` agrees on it)."""
+        return self._pending is not None and self._pending.error is not None
+
+    def write_failed_on_a_rank(self) -> None:
+        """The ranks agreed that the background write failed on one of them: `save_if_due` raises it at this step."""
+        if self._pending is not None:
+            self._pending.failed_somewhere = True
+
     def is_better(self, value: float, state: TrainingState) -> bool:
         if not math.isfinite(value):
             return False
@@ -317,13 +312,16 @@ class CheckpointManager:
             "mode": self.mode,
             "config": self.config,  # what the resume compares its own settings with
         }
-        snapshot = self._snapshot(self.dir / f".tmp-{names[0]}") if self.background else None
-        if snapshot is None:
+        if self.background and (unsupported := cannot_mirror(self.accelerator)):
+            self._print(f"checkpoints are written at the step, not in the background: {unsupported}")
+            self.background = False  # said once: from here on this run saves at the step
+        if not self.background:
             self._write_all(names, meta, None, None)
             return
-        self._pending = _BackgroundSave(names, self._write_all, (names, meta, snapshot, self._group))
+        snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}", self._host_copy)
+        self._pending = BackgroundSave(names, self._write_all, (names, meta, snapshot, self._group))
 
-    def _write_all(self, names: list[str], meta: dict, snapshot: _Snapshot | None, group) -> None:
+    def _write_all(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
         for i, name in enumerate(names):
             self._write(name, meta, snapshot if i == 0 else None, group)
         if self.accelerator.is_main_process:  # the newest `keep_last` periodic checkpoints and the best are kept
@@ -337,12 +335,15 @@ class CheckpointManager:
                     self._print(f"warning: could not delete the old checkpoint {old}: {_reason(error)}")
         self._any_failure(None, group)  # the others wait until the folder is as it will stay
 
-    def _write(self, name: str, meta: dict, snapshot: _Snapshot | None, group) -> Path:
+    def _write(self, name: str, meta: dict, snapshot: Snapshot | None, group) -> Path:
         """Write the whole state under a `.tmp-` name on every rank, then publish it as `name`.
 
-        Each of the three phases ends with every rank learning whether any rank failed (a full disk,
-        say), so a failure on one rank ends the save on all of them at once instead of at --timeout_s.
+        Three phases: `_start_folder`, `_write_state` and `_publish`. Each ends with every rank learning
+        whether any rank failed (a full disk, say), so a failure on one rank ends the save on all of them
+        at once instead of at --timeout_s.
         """
+        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
+
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         # Decided on the main process and shared, so all ranks agree on whether to write the state.
         twin = [self._checkpoint_of_same_step(meta["step"], exclude=name) if self.accelerator.is_main_process
@@ -350,28 +351,27 @@ class CheckpointManager:
         if self.accelerator.num_processes > 1 and dist.is_initialized():
             dist.broadcast_object_list(twin, src=0, group=group)
         twin = twin[0]
-        failure = self._any_failure(self._on_main(self._start_folder, tmp, twin), group)
-        if failure is None:
-            failure = self._any_failure(self._save_state(tmp, twin, snapshot, group), group)
-        if failure is None:
-            failure = self._any_failure(self._on_main(self._publish, tmp, final, meta, twin), group)
-        if failure is not None:
-            kept = [p.name for p in self.complete_checkpoints()]
-            previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
-                        else "no earlier checkpoint exists")
-            raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
-                            f"and the incomplete {tmp.name} is ignored on resume")
+        main = self.accelerator.is_main_process
+        phases = ((main, self._start_folder, (tmp, twin)),
+                  (twin is None, self._write_state, (tmp, snapshot, group)),  # a twin's files are linked instead
+                  (main, self._publish, (tmp, final, meta, twin)))
+        for runs_here, phase, args in phases:
+            failure = None
+            try:
+                if runs_here:
+                    phase(*args)
+            except (OSError, CheckpointException) as error:
+                if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
+                    raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
+                failure = _reason(error)
+            failure = self._any_failure(failure, group)
+            if failure is not None:
+                kept = [p.name for p in self.complete_checkpoints()]
+                previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
+                            else "no earlier checkpoint exists")
+                raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
+                                f"and the incomplete {tmp.name} is ignored on resume")
         return final
-
-    def _on_main(self, phase, *args) -> str | None:
-        """Run a filesystem phase on the main process only; what went wrong there, or None."""
-        if not self.accelerator.is_main_process:
-            return None
-        try:
-            phase(*args)
-        except OSError as error:
-            return _reason(error)
-        return None
 
     def _start_folder(self, tmp: Path, twin: Path | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -381,21 +381,9 @@ class CheckpointManager:
             # Same step already saved under the other kind: same bytes, so link instead of rewriting.
             shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
 
-    def _save_state(self, tmp: Path, twin: Path | None, snapshot: _Snapshot | None, group) -> str | None:
-        """Every rank writes its part (model and optimizer shards, its RNG state); what went wrong, or None."""
-        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
-
-        try:
-            if twin is None:
-                self._write_state(tmp, snapshot, group)
-        except (OSError, CheckpointException) as error:
-            if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
-                raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
-            return _reason(error)
-        return None
-
-    def _write_state(self, folder: Path, snapshot: _Snapshot | None, group) -> None:
-        """accelerate's save_state at the step, or the files of a snapshot it took (the same files)."""
+    def _write_state(self, folder: Path, snapshot: Snapshot | None, group) -> None:
+        """Every rank writes its part (model and optimizer shards, its RNG state): accelerate's save_state at the
+        step, or the files of a snapshot it took (the same files)."""
         if snapshot is None:
             self.accelerator.save_state(str(folder))
         else:
@@ -410,55 +398,6 @@ class CheckpointManager:
             _remove_checkpoint(final)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
-
-    def _snapshot(self, folder: Path) -> _Snapshot | None:
-        """What accelerate's save_state would write on this rank, copied to host memory now: the part of a
-        background save that must happen at the step. None where that cannot be mirrored; such a run saves
-        at the step, as with --checkpoint_background false, and says so once."""
-        accelerator = self.accelerator
-        plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
-        unsupported = _cannot_mirror(accelerator, plugin)
-        if unsupported:  # said once: from here on this run saves at the step
-            self._print(f"checkpoints are written at the step, not in the background: {unsupported}")
-            self.background = False
-            return None
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        state = PartialState()
-        writes = state.is_local_main_process if accelerator.project_configuration.save_on_each_node \
-            else state.is_main_process  # where accelerate's save() writes model, optimizer and schedulers
-        files: list[tuple[str, str, object]] = []
-        sharded: list[tuple[str, str, dict]] = []
-        weights = []
-        for i, model in enumerate(accelerator._models):
-            if plugin is None:
-                weights.append(accelerator.get_state_dict(model, unwrap=False))
-            else:
-                model_state = _get_model_state_dict(model, sd_options=_prepare_sd_options(plugin))
-                sharded.append((f"{FSDP_MODEL_NAME}_{i}", "model", model_state))
-        if plugin is not None:
-            for i, optimizer in enumerate(accelerator._optimizers):
-                optimizer_state = get_optimizer_state_dict(accelerator._models[i], _unwrap_optimizer(optimizer),
-                                                           options=_prepare_sd_options(plugin))
-                sharded.append((f"{OPTIMIZER_NAME}_{i}", "optimizer", optimizer_state))
-        for hook in accelerator._save_model_state_pre_hook.values():
-            hook(accelerator._models, weights, str(folder))
-        if writes:
-            for i, weights_of_model in enumerate(weights):
-                if isinstance(weights_of_model, OrderedDict):  # as accelerate's save(): tied tensors once
-                    weights_of_model = clean_state_dict_for_safetensors(weights_of_model)
-                files.append((_indexed(SAFE_WEIGHTS_NAME, i), "safetensors", weights_of_model))
-            if plugin is None:
-                for i, optimizer in enumerate(accelerator._optimizers):
-                    files.append((_indexed(f"{OPTIMIZER_NAME}.bin", i), "torch", optimizer.state_dict()))
-            for i, scheduler in enumerate(accelerator._schedulers):
-                files.append((_indexed(f"{SCHEDULER_NAME}.bin", i), "torch", scheduler.state_dict()))
-            if accelerator.scaler is not None:
-                files.append((SCALER_NAME, "torch", accelerator.scaler.state_dict()))
-        # taken fresh: nothing to copy
-        files.append((f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl", "rng", _rng_states(accelerator.step)))
-        accelerator.project_configuration.iteration += 1  # as save_state counts its saves
-        return self._host_copy.snapshot(files, sharded)
 
     def _check_settings(self, path: Path, meta: dict) -> None:
         """Refuse a checkpoint of a run with other settings: resuming it would continue another run
@@ -565,154 +504,6 @@ def read_progress(path: Path) -> dict:
     if not isinstance(meta, dict) or "step" not in meta:
         raise UsageError(f"checkpoint {path}: {PROGRESS_FILE} is not a training state record")
     return meta
-
-
-# ------------------------------------------------------------------------------ background saves
-# A background save mirrors accelerate's save_state (1.x) file by file, so `load_state` reads either kind;
-# tests/test_checkpoint.py compares the two savers' files for every kind of run the templates make.
-_BACKGROUND_SAVES: list[_BackgroundSave] = []  # in flight on this rank: for check_step and the end of the process
-
-
-class _BackgroundSave:
-    """One checkpoint being written by a thread; `finish()` joins it and raises what went wrong there."""
-
-    def __init__(self, names: list[str], write, args: tuple):
-        self.names = names
-        self.error: BaseException | None = None  # set when the write ended in an error
-        self.failed_somewhere = False  # set at a step's check when the write failed on any rank
-        self._thread = threading.Thread(target=self._run, args=(write, *args), name="checkpoint-writer")
-        _BACKGROUND_SAVES.append(self)
-        self._thread.start()
-
-    def _run(self, write, *args) -> None:
-        try:
-            write(*args)
-        except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
-            self.error = error
-
-    def finish(self, raise_error: bool = True) -> None:
-        self._thread.join()
-        if self in _BACKGROUND_SAVES:
-            _BACKGROUND_SAVES.remove(self)
-        error, self.error = self.error, None
-        if error is not None and raise_error:
-            raise error
-
-
-def background_save_failed() -> bool:
-    """Whether a background save of this rank ended in an error (every rank then has it: they agreed on it)."""
-    return any(job.error is not None for job in _BACKGROUND_SAVES)
-
-
-def background_save_failed_somewhere() -> None:
-    """The ranks agreed that a background save failed on one of them: each manager raises it at its next call."""
-    for job in _BACKGROUND_SAVES:
-        job.failed_somewhere = True
-
-
-def finish_background_saves() -> None:
-    """Let every save in flight end (before the process group is freed, and the process ends)."""
-    for job in list(_BACKGROUND_SAVES):
-        job.finish(raise_error=False)
-
-
-def _cannot_mirror(accelerator: Accelerator, plugin) -> str:
-    """Why a background save could not write what save_state writes for this run ("" if it can)."""
-    from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
-
-    supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP)
-    if accelerator.distributed_type not in supported:
-        return f"{accelerator.distributed_type} saves through its own engine"
-    if plugin is not None and (plugin.fsdp_version != 2 or plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT):
-        return "FSDP other than version 2 with fsdp_state_dict_type: SHARDED_STATE_DICT"
-    if accelerator._custom_objects:
-        return "objects registered with accelerator.register_for_checkpointing"
-    if any(isinstance(loader.dataset, IterableDatasetShard) or getattr(loader, "use_stateful_dataloader", False)
-           for loader in accelerator._dataloaders):
-        return "a data loader whose position accelerate saves"
-    return ""
-
-
-def _indexed(name: str, index: int) -> str:
-    """accelerate's file name of the index-th model, optimizer or scheduler: model.safetensors, model_1.safetensors"""
-    stem, dot, suffix = name.partition(".")
-    return name if index == 0 else f"{stem}_{index}{dot}{suffix}"
-
-
-def _rng_states(step: int) -> dict:
-    """This rank's random number generators, as save_state writes them (random_states_<rank>.pkl)."""
-    from accelerate.checkpointing import get_torch_accelerator_backend
-
-    states = {"step": step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
-              "torch_manual_seed": torch.get_rng_state()}
-    device_type, device_module = get_torch_accelerator_backend()
-    if device_type is not None:
-        key = f"torch_{device_type}_manual_seed"
-        if device_module is torch.accelerator:
-            if hasattr(torch.accelerator, "random"):
-                states[key] = torch.accelerator.random.get_rng_state()
-            else:
-                states[key] = torch.get_device_module(device_type).get_rng_state()
-        elif device_type == "mps":
-            states[key] = device_module.get_rng_state()
-        else:
-            states[key] = device_module.get_rng_state_all()
-    return states
-
-
-@dataclass
-class _Snapshot:
-    """A rank's part of a checkpoint in host memory: files (name, "safetensors" or "torch", object) and FSDP
-    shards (folder, key, state dict) written with torch.distributed.checkpoint, as save_state writes them."""
-
-    files: list[tuple[str, str, object]]
-    sharded: list[tuple[str, str, dict]]
-
-    def write(self, folder: Path, group) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        folder.mkdir(parents=True, exist_ok=True)
-        for subfolder, key, state_dict in self.sharded:  # collectives first: every rank reaches them together
-            (folder / subfolder).mkdir(exist_ok=True)
-            dcp.save({key: state_dict}, storage_writer=dcp.FileSystemWriter(folder / subfolder),
-                     planner=DefaultSavePlanner(), process_group=group)
-        for name, kind, obj in self.files:
-            if kind == "safetensors":
-                save_file(obj, folder / name, metadata={"format": "pt"})
-            else:  # "torch", "rng"
-                torch.save(obj, folder / name)
-
-
-class _HostCopy:
-    """Copies state dicts to host memory (pinned on a GPU) into buffers kept from one save to the next, so a
-    save at the step costs one memory copy: no allocation, no serialisation, no disk."""
-
-    def __init__(self, pin_memory: bool):
-        self.pin_memory = pin_memory
-        self.buffers: dict[str, dict] = {}
-
-    def snapshot(self, files: list[tuple[str, str, object]], sharded: list[tuple[str, str, dict]]) -> _Snapshot:
-        copied = [(name, kind, self._copy(name, obj) if isinstance(obj, dict) and kind != "rng" else obj)
-                  for name, kind, obj in files]
-        shards = [(folder, key, self._copy(folder, state_dict)) for folder, key, state_dict in sharded]
-        if self.pin_memory:
-            torch.cuda.synchronize()  # the copies ran without blocking; they are complete from here on
-        return _Snapshot(copied, shards)
-
-    def _copy(self, name: str, state_dict: dict) -> dict:
-        # torch's own staging for torch.distributed.checkpoint's async_save: tensors and DTensor shards into
-        # host buffers of the same structure; other values (numbers, lists) are taken as they are now.
-        from torch.distributed._state_dict_utils import (
-            _check_state_dict_similarity,
-            _copy_state_dict,
-            _create_cpu_state_dict,
-        )
-
-        buffer = self.buffers.get(name)
-        if buffer is None or not _check_state_dict_similarity(state_dict, buffer):  # first save, or a new shape
-            buffer = self.buffers[name] = _create_cpu_state_dict(state_dict, pin_memory=self.pin_memory)
-        return _copy_state_dict(state_dict, buffer, non_blocking=self.pin_memory, type_check=False)
 
 
 # ----------------------------------------------------------------------------------------- export

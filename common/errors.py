@@ -25,11 +25,6 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it; the checkpoints 
 
 F = TypeVar("F", bound=Callable[..., object])
 
-# common.accelerator.release_process_group, set when that module is imported (never imported here: the search
-# runner has no torch). Held here rather than looked up by module name: a program that imported a template may
-# have a `common` of its own under that name (common.hand_back).
-release_process_group: Callable[[], None] | None = None
-
 # Called with (exit code, message) when main() fails after the run started: see RunStatus below.
 _failure_hook: Callable[[int, str], None] | None = None
 
@@ -100,8 +95,8 @@ def _record_failure(code: int, message: str) -> None:
         _failure_hook(code, message)
 
 
-def _release_process_group(error: BaseException | None = None) -> None:
-    """Free the process group before Python shuts down (common.accelerator.release_process_group).
+def _release_process_group(release: Callable[[], None] | None, error: BaseException | None = None) -> None:
+    """Free the process group before Python shuts down (`release`: common.accelerator.release_process_group).
 
     The group is freed only once nothing refers to it, and the frames of a traceback keep main()'s
     model alive: `error`'s are cleared first.
@@ -111,8 +106,8 @@ def _release_process_group(error: BaseException | None = None) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
-    if release_process_group is not None:
-        release_process_group()
+    if release is not None:
+        release()
 
 
 def _report(message: str, code: int, every_rank: bool = False) -> None:
@@ -136,17 +131,18 @@ def _out_of_memory(error: BaseException) -> str | None:
     return f" allocating {int(amount) / 2**30:,.1f} GiB" if unit == "bytes" else f" allocating {amount} {unit}"
 
 
-def with_exit_codes(main: F | None = None, *, interrupted: str = "") -> F:
+def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Callable[[], None] | None = None) -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
 
     UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
     (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
     that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
     `@with_exit_codes(interrupted="...")`. After main() returns or exits, but not after a lost rank,
-    the process group is freed before Python shuts down (common.accelerator.release_process_group).
+    `release()` runs: the templates pass common.accelerator.release_process_group, which frees the
+    process group before Python shuts down.
     """
     if main is None:
-        return functools.partial(with_exit_codes, interrupted=interrupted)  # type: ignore[return-value]
+        return functools.partial(with_exit_codes, interrupted=interrupted, release=release)  # type: ignore[return-value]
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -156,14 +152,14 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "") -> F:
             if error.code not in (0, None):
                 _record_failure(error.code if isinstance(error.code, int) else 1, str(error.code))
             if error.code != EXIT_RANK_LOST:  # a collective may still wait on the lost rank: joining could hang
-                _release_process_group(error)
+                _release_process_group(release, error)
             raise
         except BaseException as error:  # a bug, or Ctrl-C: the traceback follows; the end state says failed
             _record_failure(130 if isinstance(error, KeyboardInterrupt) else 1, one_line(error))
             raise
         finally:
             at_failure(None)
-        _release_process_group()
+        _release_process_group(release)
         return result
 
     def reported(*args, **kwargs):

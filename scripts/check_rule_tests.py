@@ -44,7 +44,7 @@ TC = "tests/test_checkpoint.py::"
 TA = "tests/test_accelerator.py::"
 IMAGE, LM = "templates/image_classification.py", "templates/language_model.py"
 DATA, CHECKPOINT, TRACKING = "common/data.py", "common/checkpoint.py", "common/tracking.py"
-ACCELERATOR = "common/accelerator.py"
+ACCELERATOR, BACKGROUND = "common/accelerator.py", "common/background_save.py"
 
 EPOCH_ORDER = TR + "test_each_epoch_has_the_shuffle_that_seed_and_epoch_fix_also_after_a_resume[{}]"
 VAL_ORDER = TR + "test_every_evaluation_sees_each_validation_sample_once_in_order[{}]"
@@ -179,12 +179,12 @@ MUTATIONS = [
              'return "bf16" if has_bf16 else "fp16"', 'return "fp16"',
              tests=TA + "test_resolve_mixed_precision"),
     mutation("non-finite-loss-trained-on", "mixed precision: non-finite stops", LM,
-             "if not preemption.check_step(grad_norm) and accelerator.scaler is None:",
-             "if not preemption.check_step(grad_norm) and False:",
+             "if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:",
+             "if not preemption.check_step(grad_norm, ckpt) and False:",
              tests=NON_FINITE.format(lm)),
     mutation("fp16-overflow-stops-the-run", "mixed precision: fp16 overflow skipped", IMAGE,
-             "if not preemption.check_step(grad_norm) and accelerator.scaler is None:",
-             "if not preemption.check_step(grad_norm):",
+             "if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:",
+             "if not preemption.check_step(grad_norm, ckpt):",
              tests=TR + "test_fp16_overflow_is_skipped_by_the_scaler_not_fatal[image_classification]"),
     # --- checkpoints
     mutation("rng-reseeded-after-resume", "checkpoints: whole state (RNG)", CHECKPOINT, (
@@ -218,13 +218,13 @@ MUTATIONS = [
         ("        os.replace(tmp, final)\n",
          "        os.replace(tmp, final)\n        _write_json(final / PROGRESS_FILE, meta)\n"),
     ), tests=KILLS),
-    mutation("background-save-of-live-tensors", "checkpoints: a background save holds the step's state", CHECKPOINT,
+    mutation("background-save-of-live-tensors", "checkpoints: a background save holds the step's state", BACKGROUND,
              "        return _copy_state_dict(state_dict, buffer, non_blocking=self.pin_memory, type_check=False)",
              "        return state_dict",
              tests=(TC + "test_training_goes_on_while_the_save_is_written_and_the_checkpoint_holds_the_step",
                     TC + "test_two_ranks_background_saves_write_what_save_state_writes_and_resume_exactly")),
     mutation("background-failure-not-agreed", "checkpoints: a failed background save ends the run", ACCELERATOR,
-             "        flags[2] = background_save_failed()\n", "",
+             "        flags[2] = checkpoints is not None and checkpoints.write_failed()\n", "",
              tests=TC + "test_a_failed_background_write_ends_the_run_at_the_next_step"),
     mutation("deletion-keeps-progress-json", "checkpoints: atomic deletion", CHECKPOINT,
              "    (path / PROGRESS_FILE).unlink(missing_ok=True)\n    _fsync_dir(path)\n    shutil.rmtree(path)",

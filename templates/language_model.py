@@ -35,7 +35,7 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
           == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
 from common import hand_back  # noqa: E402
-from common.accelerator import Throughput, end_run, start_run  # noqa: E402
+from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import TokenWindows, build_loaders, split_by_key, token_file_splits  # noqa: E402
@@ -300,7 +300,8 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temp
 
 
 # ----------------------------------------------------------------------------------------- main
-@with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto")
+@with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto",
+                 release=release_process_group)  # the process group freed before Python shuts down
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
@@ -373,8 +374,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-                    # One host sync per step: finite gradients? any rank's stop signal? (every rank alike)
-                    if not preemption.check_step(grad_norm) and accelerator.scaler is None:
+                    # One host sync per step: finite gradients? any rank's stop signal or failed checkpoint write?
+                    if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:
                         raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
                                              f"{ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete

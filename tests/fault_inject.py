@@ -137,7 +137,7 @@ def clip_grad_norm_(self, *args, **kwargs):
 
 Accelerator.clip_grad_norm_ = clip_grad_norm_
 
-# --- checkpoint saves: each rank writes its part of the state, at the step or in the background thread
+# --- checkpoint saves: the write phase where each rank writes its part of the state (at the step or in the background)
 real_write_state = template.CheckpointManager._write_state
 
 
@@ -166,7 +166,7 @@ def write_state(self, output_dir, *args, **kwargs):
 
 template.CheckpointManager._write_state = write_state
 
-# --- what each published checkpoint held right after its save
+# --- what each published checkpoint held right after its save (the publish phase)
 real_publish = template.CheckpointManager._publish
 saves: dict[str, dict] = {}
 

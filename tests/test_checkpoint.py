@@ -8,6 +8,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -31,7 +33,7 @@ from common.checkpoint import (
 )
 from common.errors import UsageError
 from common.optim import warmup_cosine, weight_decay_groups
-from conftest import REPO, launch, reset_accelerate_state
+from conftest import REPO, clean_env, launch, reset_accelerate_state
 from helpers import snapshot
 
 
@@ -569,7 +571,7 @@ class KillAt:
 
         real_write_state, real_rmtree = manager._write_state, shutil.rmtree
 
-        def write_state(output_dir, *args, **kwargs):  # save_state at the step, or the background writer's files
+        def write_state(output_dir, *args, **kwargs):  # the write phase: save_state, or a snapshot's files
             if point("before save_state"):
                 raise Kill("before save_state")
             result = real_write_state(output_dir, *args, **kwargs)
@@ -594,7 +596,7 @@ class KillAt:
         monkeypatch.setattr(os, "replace", before(os.replace, "os.replace"))
         monkeypatch.setattr(Path, "unlink", before(Path.unlink, "unlink"))
         monkeypatch.setattr(shutil, "copytree", before(shutil.copytree, "copytree"))
-        monkeypatch.setattr(checkpoint_module, "_write_json", before(checkpoint_module._write_json, "progress.json"))
+        monkeypatch.setattr(Path, "write_text", before(Path.write_text, "progress.json"))  # its temporary file
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["at-the-step", "background"])
@@ -718,18 +720,18 @@ class Gate:
 
     def __init__(self, monkeypatch, manager):
         self.event, self.log = threading.Event(), []
-        real_snapshot, real_write_state = manager._snapshot, manager._write_state
+        real_snapshot, real_write_state = checkpoint_module.snapshot_state, manager._write_state
 
-        def snapshot(folder):
+        def snapshot(accelerator, folder, *args):
             self.log.append(f"copy {folder.name}")
-            return real_snapshot(folder)
+            return real_snapshot(accelerator, folder, *args)
 
-        def write_state(folder, *args):
+        def write_state(folder, *args):  # the write phase that writes the state's files
             self.event.wait(timeout=60)
             self.log.append(f"write {folder.name}")
             return real_write_state(folder, *args)
 
-        monkeypatch.setattr(manager, "_snapshot", snapshot)
+        monkeypatch.setattr(checkpoint_module, "snapshot_state", snapshot)
         monkeypatch.setattr(manager, "_write_state", write_state)
 
     def open(self):
@@ -798,7 +800,7 @@ def test_a_failed_background_write_ends_the_run_at_the_next_step(tmp_path, fresh
     job.ckpt.save(progress)
     job.ckpt._pending._thread.join()  # the write has failed; the training thread has not looked yet
     assert job.ckpt.save_if_due(progress) is None  # not agreed yet: the step before the check goes on
-    assert watcher.check_step(torch.tensor(1.0)) is True
+    assert watcher.check_step(torch.tensor(1.0), job.ckpt) is True
     with pytest.raises(SaveError, match=r"saving checkpoint \S+step_00000002 failed: No space left on device; "
                                         r"the previous checkpoints are intact \(newest: step_00000001\)"):
         job.ckpt.save_if_due(progress)
@@ -926,3 +928,28 @@ def test_a_state_background_saves_cannot_mirror_is_saved_at_the_step_and_said_on
     out = capsys.readouterr().out
     assert out.count("checkpoints are written at the step, not in the background: objects registered with "
                      "accelerator.register_for_checkpointing") == 1, out
+
+
+def test_an_accelerate_without_what_background_saves_mirror_starts_and_saves_at_the_step(tmp_path, fresh_accelerate,
+                                                                                          monkeypatch, capsys):
+    """accelerate 1.10 to 1.14 (which requirements.txt allows) have no fsdp_utils._unwrap_optimizer: the templates
+    still import, and such a run saves at the step, said once, instead of failing."""
+    import accelerate
+    import accelerate.utils.fsdp_utils
+
+    code = ("import sys, accelerate.utils.fsdp_utils as f, accelerate.checkpointing as c; "
+            "del f._unwrap_optimizer, c.get_torch_accelerator_backend; "
+            "sys.path.insert(0, 'templates'); import image_classification, language_model")
+    imported = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                              timeout=120)
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    monkeypatch.delattr(accelerate.utils.fsdp_utils, "_unwrap_optimizer")
+    job = setup(tmp_path / "run", background=True)
+    job.ckpt.resume("none")
+    for step in (1, 2):
+        job.ckpt.save(TrainingState(step=step))
+        assert job.ckpt._pending is None  # written at the step
+    assert names(job) == ["step_00000001", "step_00000002"]
+    out = capsys.readouterr().out
+    assert out.count(f"checkpoints are written at the step, not in the background: accelerate {accelerate.__version__} "
+                     "has no accelerate.utils.fsdp_utils._unwrap_optimizer") == 1, out
