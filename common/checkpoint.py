@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -131,6 +132,7 @@ class CheckpointManager:
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
         self.background = background
         self._pending: _BackgroundSave | None = None  # the save being written in the background
+        self.on_published: Callable[[int], None] | None = None  # told each completed checkpoint's step (RunStatus)
         self._host_copy = _HostCopy(pin_memory=accelerator.device.type == "cuda")
         self._group = None
         if background and accelerator.num_processes > 1 and dist.is_initialized():
@@ -152,11 +154,12 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
-        """Restore the state named by `resume` ("auto", "none" or a checkpoint path) and return the state.
+        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder) and return the state.
 
         "auto" continues from the newest complete checkpoint in this output folder, or starts fresh
         when there is none. "none" starts fresh and refuses a folder that already holds checkpoints,
-        so an earlier run is never overwritten by accident.
+        so an earlier run is never overwritten by accident. A run folder (or its `checkpoints/`)
+        stands for its newest complete checkpoint, as "auto" picks it there.
         """
         self._check_run_file()
         # Each rank its own streams for dropout and augmentation from here on (init used one for all);
@@ -175,11 +178,7 @@ class CheckpointManager:
         elif resume == "auto":
             path = existing[-1] if existing else None
         else:
-            path = Path(resume)
-            if not path.is_dir():
-                raise UsageError(f"--resume {resume}: no such checkpoint folder")
-            if not (path / PROGRESS_FILE).is_file():
-                raise UsageError(f"--resume {resume}: not a complete checkpoint (no {PROGRESS_FILE})")
+            path = checkpoint_to_resume(resume)
         # Every rank must load the same checkpoint, whatever its view of the folder.
         chosen = [str(path) if path is not None else None]
         broadcast_object_list(chosen)
@@ -293,14 +292,7 @@ class CheckpointManager:
 
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoints that finished saving, oldest first (periodic before best at the same step)."""
-        if not self.dir.is_dir():
-            return []
-        found = []
-        for path in self.dir.iterdir():
-            match = _NAME.match(path.name)
-            if match and (path / PROGRESS_FILE).is_file():
-                found.append((int(match.group(2)), match.group(1) == "step", path))
-        return [path for _, _, path in sorted(found)]
+        return complete_checkpoints(self.dir)
 
     def _saved(self, name: str) -> bool:
         """Whether a checkpoint of this name is complete or being written."""
@@ -336,6 +328,8 @@ class CheckpointManager:
                     _remove_checkpoint(old)
                 except OSError as error:  # the new checkpoint is complete: only space is lost
                     self._print(f"warning: could not delete the old checkpoint {old}: {_reason(error)}")
+            if self.on_published is not None:
+                self.on_published(meta["step"])
         self._any_failure(None, group)  # the others wait until the folder is as it will stay
 
     def _write(self, name: str, meta: dict, snapshot: _Snapshot | None, group) -> Path:
@@ -556,6 +550,34 @@ def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> N
         raise UsageError(f"{option} {path} cannot be created: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path} cannot be created: {existing} is not writable")
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints in a `checkpoints/` folder that finished saving, oldest first (periodic before best at
+    the same step): the last is the one `--resume auto` continues from."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _NAME.match(path.name)
+        if match and (path / PROGRESS_FILE).is_file():
+            found.append((int(match.group(2)), match.group(1) == "step", path))
+    return [path for _, _, path in sorted(found)]
+
+
+def checkpoint_to_resume(resume: str) -> Path:
+    """The checkpoint `--resume PATH` names: a checkpoint folder, or a run folder (or its `checkpoints/`),
+    which stands for its newest complete checkpoint."""
+    path = Path(resume)
+    if not path.is_dir():
+        raise UsageError(f"--resume {resume}: no such checkpoint or run folder")
+    if (path / PROGRESS_FILE).is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        if found := complete_checkpoints(folder):
+            return found[-1]
+    raise UsageError(f"--resume {resume}: neither a complete checkpoint (no {PROGRESS_FILE}) nor a run folder with "
+                     "one; pass a run's --output_dir, one of its checkpoints/step_* folders, auto or none")
 
 
 def read_progress(path: Path) -> dict:

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ckpt = CheckpointManager.for_run(accelerator, cfg, template="image_classification", metric="val/accuracy",
                                      mode="max", model_info=model_info)  # in the background: --checkpoint_background
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
-    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     accelerator.print(f"{len(data.train)} training / {len(data.val)} validation images, {total_steps} optimizer steps, "
                       f"{sum(p.numel() for p in model.parameters()):,} parameters, learning rate {learning_rate:g}")

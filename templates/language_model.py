@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model_info=model_info,
     )
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
-    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     throughput = Throughput(accelerator, "tokens", cfg.batch_size * cfg.block_size, max(0, cfg.num_workers),
                             flops_per_token, cfg.peak_tflops)  # speed, data wait and MFU, in each log line

@@ -106,7 +106,7 @@ CASES = {
                                                  "was written by template 'language_model', "
                                                  "not 'image_classification'"),
     "image/resume-path-missing": Case("image", ("--resume", "{data}/no_such_checkpoint"),
-                                      "no_such_checkpoint: no such checkpoint folder"),
+                                      "no_such_checkpoint: no such checkpoint or run folder"),
     "image/folder-of-another-run": Case("image", ("--resume", "none"), "already holds checkpoints of a run (newest: "),
     "image/folder-of-another-template": Case("image", (),
                                              "holds a run of template 'language_model'; choose another --output_dir",

@@ -29,7 +29,7 @@ from common.checkpoint import (
     load_exported,
     read_progress,
 )
-from common.errors import UsageError
+from common.errors import RunStatus, UsageError, read_status
 from common.optim import warmup_cosine, weight_decay_groups
 from conftest import REPO, launch, reset_accelerate_state
 from helpers import snapshot
@@ -314,8 +314,28 @@ def test_an_explicit_path_to_an_interrupted_save_is_refused(job, monkeypatch):
     monkeypatch.setattr(job.accelerator, "save_state", crash)
     with pytest.raises(OSError):
         job.ckpt.save(TrainingState(step=1))
-    with pytest.raises(UsageError, match="not a complete checkpoint"):
+    with pytest.raises(UsageError, match="neither a complete checkpoint .no progress.json. nor a run folder"):
         job.ckpt.resume(str(job.ckpt.dir / ".tmp-step_00000001"))
+
+
+# --- status.json follows the checkpoints ---------------------------------------------------------------
+
+@pytest.mark.parametrize("background", [False, True], ids=["at-the-step", "background"])
+def test_status_step_is_the_last_complete_checkpoint_while_running(tmp_path, fresh_accelerate, background):
+    """While running, status.json's step is where a resume would continue: written once per checkpoint (by the
+    writer thread in the background mode), not per step; a checkpoint completing after the end changes nothing."""
+    job = setup(tmp_path / "run", background=background)
+    state = job.ckpt.resume("none")
+    status = RunStatus(job.accelerator, job.ckpt.output_dir, state, job.ckpt)
+    assert read_status(job.ckpt.output_dir)["step"] == 0
+    state.step = 3
+    job.ckpt.save(state)
+    state.step = 5  # trained on, no checkpoint yet: a resume would still continue from 3
+    job.ckpt.wait()
+    assert {k: read_status(job.ckpt.output_dir)[k] for k in ("state", "step")} == {"state": "running", "step": 3}
+    status.end("stopped", "--stop_after_steps")
+    status.checkpointed(7)  # too late: the end state stays
+    assert {k: read_status(job.ckpt.output_dir)[k] for k in ("state", "step")} == {"state": "stopped", "step": 5}
 
 
 # --- resume arguments and refusals ------------------------------------------------------------------
@@ -345,6 +365,29 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(job):
     assert resumed.ckpt.resume("auto") == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
 
 
+def test_resume_a_run_folder_takes_its_newest_complete_checkpoint(job, tmp_path):
+    """`--resume runs/x` (or runs/x/checkpoints) continues from what `--resume auto` would pick in runs/x."""
+    job.ckpt.save(TrainingState(step=1))
+    progress = TrainingState(step=3)
+    job.ckpt.save_best(progress, 0.5)
+    progress.batches_in_epoch = 7
+    job.ckpt.save(progress)  # same step as the best, newer progress
+    (job.ckpt.dir / "step_00000009").mkdir()  # a folder without progress.json is not a checkpoint
+    for given in (job.ckpt.output_dir, job.ckpt.dir):
+        other = setup(tmp_path / f"from_{given.name}", init_seed=2)
+        assert other.ckpt.resume(str(given)) == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
+
+
+def test_resume_a_folder_without_checkpoints_names_what_to_pass(job, tmp_path):
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    for given in (tmp_path / "empty_run", tmp_path / "empty_run" / "checkpoints"):
+        with pytest.raises(UsageError) as info:
+            job.ckpt.resume(str(given))
+        assert str(info.value) == (f"--resume {given}: neither a complete checkpoint (no progress.json) nor a run "
+                                   "folder with one; pass a run's --output_dir, one of its checkpoints/step_* folders, "
+                                   "auto or none")
+
+
 def test_resume_none_and_auto_in_an_empty_folder_start_fresh(tmp_path, fresh_accelerate):
     for mode in ("none", "auto"):
         job = setup(tmp_path / mode)
@@ -353,13 +396,13 @@ def test_resume_none_and_auto_in_an_empty_folder_start_fresh(tmp_path, fresh_acc
 
 
 def test_resume_path_that_does_not_exist(job, tmp_path):
-    with pytest.raises(UsageError, match="no such checkpoint folder"):
+    with pytest.raises(UsageError, match="no such checkpoint or run folder"):
         job.ckpt.resume(str(tmp_path / "nowhere"))
 
 
 def test_resume_path_without_progress(job, tmp_path):
     (tmp_path / "junk").mkdir()
-    with pytest.raises(UsageError, match="not a complete checkpoint"):
+    with pytest.raises(UsageError, match="neither a complete checkpoint .no progress.json. nor a run folder"):
         job.ckpt.resume(str(tmp_path / "junk"))
 
 

@@ -277,7 +277,8 @@ def test_fsdp_trains_sharded_resumes_and_exports(tmp_path, ddp_baseline):
     ids=["1-process", "2-ddp-ranks"],
 )
 def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, tmp_path, request):
-    """Stop mid-epoch 1, resume and stop again after crossing into epoch 2, resume to the end."""
+    """Stop mid-epoch 1, resume and stop again after crossing into epoch 2, resume to the end (naming the run
+    folder, as `--resume runs/image_classification` would)."""
     reference = request.getfixturevalue(baseline)[0]
     per_epoch = EXACT_STEPS_PER_EPOCH[processes]
     first_stop, second_stop = per_epoch // 2 - 1, per_epoch + 2
@@ -298,7 +299,7 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     # crossed into epoch 2
     assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))
 
-    result = run_template(config, out, *EXACT, "--resume", "auto")
+    result = run_template(config, out, *EXACT, "--resume", str(out))  # a run folder: its newest checkpoint
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
     assert "final validation accuracy" in result.stdout
     assert read_status(out)["state"] == "finished"
@@ -348,8 +349,11 @@ BAD_INPUTS = {
     "wrong-type": (["--epochs=abc"], "--epochs: expected an integer, got 'abc'"),
     "missing-data-dir": (["--data_dir", "{tmp}/no_such_folder"], "no_such_folder: no such folder"),
     "empty-data-dir": (["--data_dir", "{tmp}/empty"], "need at least 2 class folders"),
-    "resume-nonexistent": (["--resume", "/nonexistent"], "--resume /nonexistent: no such checkpoint folder"),
+    "resume-nonexistent": (["--resume", "/nonexistent"], "--resume /nonexistent: no such checkpoint or run folder"),
     "resume-none-over-a-run": (["--resume", "none"], "already holds checkpoints"),
+    "resume-folder-without-checkpoints": (["--resume", "{tmp}/empty"], "/empty: neither a complete "
+                                          "checkpoint (no progress.json) nor a run folder with one; pass a run's "
+                                          "--output_dir, one of its checkpoints/step_* folders, auto or none"),
 }
 MODES = ("python", "accelerate")
 
