@@ -113,6 +113,8 @@ class CheckpointManager:
         model_info: dict | None = None,
         background: bool = False,
         timeout_s: float = 600.0,
+        length: str | None = None,
+        total_steps: int | None = None,
     ):
         if mode not in ("max", "min"):
             raise UsageError(f"checkpoint metric mode must be 'max' or 'min', got {mode!r}")
@@ -130,6 +132,10 @@ class CheckpointManager:
         self.every_steps = every_steps
         self.seed = seed
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
+        # The option that sets how long the run trains (--epochs, --max_steps): it may grow on resume, which
+        # extends the run (see `_extend`); `total_steps` is the length in optimizer steps it gives now.
+        self.length, self.total_steps = length, total_steps
+        self._grown: tuple[int, int] | None = None  # (the length the checkpoint's run had, the longer one now)
         self.background = background
         self._pending: _BackgroundSave | None = None  # the save being written in the background
         self.on_published: Callable[[int], None] | None = None  # told each completed checkpoint's step (RunStatus)
@@ -143,14 +149,15 @@ class CheckpointManager:
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, *, template: str, metric: str, mode: str,
                 may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
-                model_info: dict | None = None) -> CheckpointManager:
+                model_info: dict | None = None, length: str | None = None,
+                total_steps: int | None = None) -> CheckpointManager:
         """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`)."""
         from common.config import config_to_dict
 
         return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg), metric=metric,
                    mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
                    may_change=may_change, model_info=model_info, background=cfg.checkpoint_background,
-                   timeout_s=cfg.timeout_s)
+                   timeout_s=cfg.timeout_s, length=length, total_steps=total_steps)
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
@@ -216,7 +223,31 @@ class CheckpointManager:
         fields = {f.name for f in dataclasses.fields(TrainingState)}
         state = TrainingState(**{k: v for k, v in meta.items() if k in fields})
         self._print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
+        if self._grown is not None:
+            self._extend(state.step)
         return state
+
+    def _extend(self, step: int) -> None:
+        """The run trains longer than its checkpoint's settings said: from `step` on, each LambdaLR schedule (the
+        templates' warmup + cosine) is the one of the new length, which the scheduler now holds (a function is not
+        saved with its state), so only the learning rate restored for the next step is set from it here. The
+        steps before are the old run's, unchanged; a later resume with the new length restores this one's."""
+        before, after = self._grown
+        changes = []
+        for scheduler in self.accelerator._schedulers:
+            inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the torch scheduler
+            if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):
+                continue
+            new = [base * factor(inner.last_epoch) for base, factor in zip(inner.base_lrs, inner.lr_lambdas)]
+            for group, lr in zip(inner.optimizer.param_groups, new):
+                changes.append((group["lr"], lr))
+                group["lr"] = lr
+            inner._last_lr = new
+        steps = (f" ({self.total_steps * before // after} to {self.total_steps} optimizer steps)"
+                 if self.total_steps else "")
+        lr = (f"; the learning rate at step {step} changes from {changes[0][0]:.6g} to {changes[0][1]:.6g} "
+              "(the warmup and cosine of the new length from here on)" if changes else "")
+        self._print(f"extending the run from --{self.length} {before} to {after}{steps}{lr}")
 
     # ------------------------------------------------------------------------------------- save
     def save(self, state: TrainingState, metric: float | None = None, *, wait: bool = False) -> Path:
@@ -470,14 +501,20 @@ class CheckpointManager:
         now = json.loads(json.dumps(self.config))  # as it would read back from JSON: lists, floats
         differ = [name for name in sorted(saved.keys() | now.keys())
                   if name not in self.may_change and saved.get(name, _ABSENT) != now.get(name, _ABSENT)]
+        before, after = saved.get(self.length), now.get(self.length)
+        self._grown = None
+        if self.length in differ and type(before) is int and type(after) is int and after > before:
+            differ.remove(self.length)  # a longer run: extended (only the schedule changes, see `_extend`)
+            self._grown = (before, after)
         if not differ:
             return
         shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
                           for name in differ[:4])
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        grows = f", and --{self.length} may grow" if self.length else ""
         raise UsageError(
             f"checkpoint {path} belongs to a run with other settings: {shown}{more}. A run resumes only with its "
-            f"own settings (only {', '.join('--' + n for n in sorted(self.may_change))} may change); "
+            f"own settings (only {', '.join('--' + n for n in sorted(self.may_change))} may change{grows}); "
             "for a new run choose another --output_dir, or --resume none with an empty one"
         )
 

@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     ckpt = CheckpointManager.for_run(accelerator, cfg, template="image_classification", metric="val/accuracy",
-                                     mode="max", model_info=model_info)  # in the background: --checkpoint_background
+                                     mode="max", model_info=model_info,  # in the background: --checkpoint_background
+                                     # a resume may train more epochs: the schedule then follows the new length
+                                     length="epochs", total_steps=total_steps)
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
     status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process

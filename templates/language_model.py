@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                            "compile", "activation_checkpointing"},
         model_info=model_info,
+        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
     )
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end

@@ -61,17 +61,20 @@ class TiedLM(torch.nn.Module):
 
 
 def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last: int = 3, mode: str = "max",
-          init_seed: int = 0, background: bool = False):
-    """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager."""
+          init_seed: int = 0, background: bool = False, max_steps: int | None = None):
+    """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager; with
+    `max_steps`, a run of that length (an option that may grow on resume), else one of 20 steps."""
     reset_accelerate_state()
     accelerator = build_accelerator(seed=0)
     torch.manual_seed(init_seed)
     model = Tiny(width)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=1e-2)
-    scheduler = warmup_cosine(optimizer, 2, 20)
+    scheduler = warmup_cosine(optimizer, 2, max_steps or 20)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    ckpt = CheckpointManager(accelerator, output_dir, template=template, config={"width": width},
-                             metric="val/accuracy", mode=mode, keep_last=keep_last, background=background)
+    length = {"length": "max_steps", "total_steps": max_steps} if max_steps else {}
+    ckpt = CheckpointManager(accelerator, output_dir, template=template,
+                             config={"width": width} | ({"max_steps": max_steps} if max_steps else {}),
+                             metric="val/accuracy", mode=mode, keep_last=keep_last, background=background, **length)
     return SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, ckpt=ckpt)
 
 
@@ -446,6 +449,35 @@ def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_writ
         assert "\n" not in message and "belongs to a run with other settings: --lr (not set) there, 0.5 now" in message
         assert "another --output_dir" in message
     assert snapshot(job.ckpt.output_dir) == before and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_longer_run_extends_its_checkpoint_with_the_schedule_of_the_new_length(tmp_path, fresh_accelerate, capsys):
+    """--max_steps 10 trained to its end, resumed with 16: the learning rate of step 10 on is the 16-step
+    schedule's (restored from the checkpoint it was the 10-step one's), and it says so; a shorter run is refused."""
+    short = setup(tmp_path / "run", max_steps=10)
+    short.ckpt.resume("none")
+    train(short, 10)
+    path = short.ckpt.save(TrainingState(step=10))
+    weights, ended_at = params(short), short.optimizer.param_groups[0]["lr"]
+    assert ended_at == pytest.approx(1e-2 * 0.1)  # the cosine's end
+
+    capsys.readouterr()
+    longer = setup(tmp_path / "run", max_steps=16)
+    assert longer.ckpt.resume("auto").step == 10
+    assert same_tensors(params(longer), weights)
+    new_lr = 1e-2 * warmup_cosine(torch.optim.SGD([torch.zeros(1)], lr=1), 2, 16).lr_lambdas[0](10)
+    assert [g["lr"] for g in longer.optimizer.param_groups] == [new_lr] * 2 == longer.scheduler.get_last_lr()
+    assert (f"extending the run from --max_steps 10 to 16 (10 to 16 optimizer steps); the learning rate at step 10 "
+            f"changes from {ended_at:.6g} to {new_lr:.6g} (the warmup and cosine of the new length from here on)"
+            in capsys.readouterr().out)
+    train(longer, 1)
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        1e-2 * warmup_cosine(torch.optim.SGD([torch.zeros(1)], lr=1), 2, 16).lr_lambdas[0](11))
+
+    with pytest.raises(UsageError) as info:  # a shorter run is another run
+        setup(tmp_path / "run", max_steps=9).ckpt.resume(str(path))
+    assert str(info.value).startswith(f"checkpoint {path} belongs to a run with other settings: --max_steps 10 "
+                                      "there, 9 now. ") and "and --max_steps may grow)" in str(info.value)
 
 
 def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
 from helpers import read_metrics, snapshot
 from common.errors import read_status
+from common.optim import warmup_cosine
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 TINY = ("--epochs", "2", "--width", "8", "--depth", "1", "--tracker", "none")
@@ -307,6 +308,40 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
     strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731
     assert strip(val_records(out)) == strip(val_records(reference))
+
+
+def test_more_epochs_extend_a_finished_run_and_the_extension_resumes_exactly(tmp_path):
+    """A 1-epoch run trained to its end, then the README's command for more: the same run with --epochs 2 goes on
+    from step 18 under the schedule of 36 steps. Stopped part-way and resumed with that command, it ends
+    bit-identical to the extension uninterrupted from the same checkpoint. (A shorter run is refused:
+    test_checkpoint.py.)"""
+    out, reference = tmp_path / "run", tmp_path / "reference"
+    per_epoch = EXACT_STEPS_PER_EPOCH[1]
+    run_template("cpu.yaml", out, *EXACT, "--epochs", "1")
+    assert read_status(out)["state"] == "finished"
+    shutil.copytree(out, reference)
+
+    # warmup min(50, 18 // 2) then cosine to 0.1 of 2e-3 at step 18; over 36 steps the warmup is 18: the peak
+    extending = (f"extending the run from --epochs 1 to 2 ({per_epoch} to {2 * per_epoch} optimizer steps); the "
+                 f"learning rate at step {per_epoch} changes from 0.0002 to 0.002 (the warmup and cosine of the new "
+                 "length from here on)")
+    result = run_template("cpu.yaml", reference, *EXACT, "--epochs", "2")
+    assert extending in result.stdout and "epoch 2/2" in result.stdout
+    stop = per_epoch + 5
+    result = run_template("cpu.yaml", out, *EXACT, "--epochs", "2", "--stop_after_steps", "5")
+    assert extending in result.stdout and f"stopped at step {stop}" in result.stdout
+    result = run_template("cpu.yaml", out, *EXACT, "--epochs", "2")
+    assert f"resumed from {out / 'checkpoints' / f'step_{stop:08d}'}" in result.stdout
+    assert "extending" not in result.stdout  # its checkpoint recorded the new length
+    assert (read_status(out)["state"], read_status(out)["step"]) == ("finished", 2 * per_epoch)
+
+    assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
+    strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731
+    assert strip(val_records(out)) == strip(val_records(reference))
+    logged_lr = {r["step"]: r["lr"] for r in read_metrics(out) if "lr" in r}  # every 10 steps: the next step's
+    longer = warmup_cosine(torch.optim.SGD([torch.zeros(1)], lr=1), per_epoch, 2 * per_epoch).lr_lambdas[0]
+    assert logged_lr[20] == pytest.approx(2e-3 * longer(20))
+
 
 
 def test_weight_comparison_detects_a_different_run(tmp_path, single_baseline):
