@@ -833,6 +833,19 @@ def export_info(path: str | os.PathLike) -> dict:
         raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
 
 
+def exported_model(init_from: str | os.PathLike) -> Path:
+    """The export `--init_from` names: a model.safetensors file, or a finished run's folder (its model.safetensors)."""
+    path = Path(init_from)
+    if path.is_dir():
+        if not (path / "model.safetensors").is_file():
+            raise UsageError(f"--init_from {init_from}: no model.safetensors in this folder (a run writes it when it "
+                             "finishes); pass a finished run's folder or its model.safetensors")
+        return path / "model.safetensors"
+    if not path.is_file():
+        raise UsageError(f"--init_from {init_from}: no such file or folder")
+    return path
+
+
 def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Load an export from `export_weights` into a plain (unwrapped) model, refusing any mismatch."""
     path = Path(path)

@@ -344,6 +344,18 @@ def test_more_epochs_extend_a_finished_run_and_the_extension_resumes_exactly(tmp
 
 
 
+def test_init_from_starts_a_new_run_from_a_finished_runs_weights(tmp_path, plain_run):
+    """`--init_from <run folder>` in another --output_dir: a new run (its own optimizer and schedule) whose model
+    starts as the finished run's export. With a learning rate too small to move it, it ends where it started."""
+    out = tmp_path / "new"
+    result = run_template("cpu.yaml", out, *TINY, "--epochs", "1", "--init_from", str(plain_run[0]),
+                          "--learning_rate", "1e-12")
+    assert "resumed from" not in result.stdout and progress_of(out / "checkpoints" / "step_00000022")["step"] == 22
+    start, end = load_file(str(plain_run[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert start.keys() == end.keys() and all(torch.allclose(start[k], end[k], rtol=0, atol=1e-9) for k in start)
+    assert val_records(out)[-1]["val/loss"] == pytest.approx(val_records(plain_run[0])[-1]["val/loss"], rel=1e-6)
+
+
 def test_weight_comparison_detects_a_different_run(tmp_path, single_baseline):
     """Negative control for the test above: another seed, same flags, must not compare equal."""
     out = tmp_path / "run"
@@ -386,6 +398,8 @@ BAD_INPUTS = {
     "empty-data-dir": (["--data_dir", "{tmp}/empty"], "need at least 2 class folders"),
     "resume-nonexistent": (["--resume", "/nonexistent"], "--resume /nonexistent: no such checkpoint or run folder"),
     "resume-none-over-a-run": (["--resume", "none"], "already holds checkpoints"),
+    "init-from-another-shape": (["--init_from", "{tmp}/existing_run", "--width", "16"],
+                                "existing_run/model.safetensors does not fit this model: shape of "),
     "resume-folder-without-checkpoints": (["--resume", "{tmp}/empty"], "/empty: neither a complete "
                                           "checkpoint (no progress.json) nor a run folder with one; pass a run's "
                                           "--output_dir, one of its checkpoints/step_* folders, auto or none"),
