@@ -34,6 +34,7 @@ import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -99,6 +100,8 @@ class CheckpointManager:
         model_info: dict | None = None,
         background: bool = False,
         timeout_s: float = 600.0,
+        length: str | None = None,
+        total_steps: int | None = None,
     ):
         if mode not in ("max", "min"):
             raise UsageError(f"checkpoint metric mode must be 'max' or 'min', got {mode!r}")
@@ -116,8 +119,13 @@ class CheckpointManager:
         self.every_steps = every_steps
         self.seed = seed
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
+        # The option that sets how long the run trains (--epochs, --max_steps): it may grow on resume, which
+        # extends the run (see `_extend`); `total_steps` is the length in optimizer steps it gives now.
+        self.length, self.total_steps = length, total_steps
+        self._grown: tuple[int, int] | None = None  # (the length the checkpoint's run had, the longer one now)
         self.background = background
         self._pending: BackgroundSave | None = None  # the save being written in the background
+        self.on_published: Callable[[int], None] | None = None  # told each completed checkpoint's step (RunStatus)
         self._host_copy = HostCopy(pin_memory=accelerator.device.type == "cuda")
         self._group = None
         if background and accelerator.num_processes > 1 and dist.is_initialized():
@@ -128,20 +136,22 @@ class CheckpointManager:
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, *, template: str, metric: str, mode: str,
                 may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
-                model_info: dict | None = None) -> CheckpointManager:
+                model_info: dict | None = None, length: str | None = None,
+                total_steps: int | None = None) -> CheckpointManager:
         """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`)."""
         return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg), metric=metric,
                    mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
                    may_change=may_change, model_info=model_info, background=cfg.checkpoint_background,
-                   timeout_s=cfg.timeout_s)
+                   timeout_s=cfg.timeout_s, length=length, total_steps=total_steps)
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
-        """Restore the state named by `resume` ("auto", "none" or a checkpoint path) and return the state.
+        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder) and return the state.
 
         "auto" continues from the newest complete checkpoint in this output folder, or starts fresh
         when there is none. "none" starts fresh and refuses a folder that already holds checkpoints,
-        so an earlier run is never overwritten by accident.
+        so an earlier run is never overwritten by accident. A run folder (or its `checkpoints/`)
+        stands for its newest complete checkpoint, as "auto" picks it there.
         """
         self._check_run_file()
         # Each rank its own streams for dropout and augmentation from here on (init used one for all);
@@ -160,11 +170,7 @@ class CheckpointManager:
         elif resume == "auto":
             path = existing[-1] if existing else None
         else:
-            path = Path(resume)
-            if not path.is_dir():
-                raise UsageError(f"--resume {resume}: no such checkpoint folder")
-            if not (path / PROGRESS_FILE).is_file():
-                raise UsageError(f"--resume {resume}: not a complete checkpoint (no {PROGRESS_FILE})")
+            path = checkpoint_to_resume(resume)
         # Every rank must load the same checkpoint, whatever its view of the folder.
         chosen = [str(path) if path is not None else None]
         broadcast_object_list(chosen)
@@ -202,7 +208,31 @@ class CheckpointManager:
         fields = {f.name for f in dataclasses.fields(TrainingState)}
         state = TrainingState(**{k: v for k, v in meta.items() if k in fields})
         self._print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
+        if self._grown is not None:
+            self._extend(state.step)
         return state
+
+    def _extend(self, step: int) -> None:
+        """The run trains longer than its checkpoint's settings said: from `step` on, each LambdaLR schedule (the
+        templates' warmup + cosine) is the one of the new length, which the scheduler now holds (a function is not
+        saved with its state), so only the learning rate restored for the next step is set from it here. The
+        steps before are the old run's, unchanged; a later resume with the new length restores this one's."""
+        before, after = self._grown
+        changes = []
+        for scheduler in self.accelerator._schedulers:
+            inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the torch scheduler
+            if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):
+                continue
+            new = [base * factor(inner.last_epoch) for base, factor in zip(inner.base_lrs, inner.lr_lambdas)]
+            for group, lr in zip(inner.optimizer.param_groups, new):
+                changes.append((group["lr"], lr))
+                group["lr"] = lr
+            inner._last_lr = new
+        steps = (f" ({self.total_steps * before // after} to {self.total_steps} optimizer steps)"
+                 if self.total_steps else "")
+        lr = (f"; the learning rate at step {step} changes from {changes[0][0]:.6g} to {changes[0][1]:.6g} "
+              "(the warmup and cosine of the new length from here on)" if changes else "")
+        self._print(f"extending the run from --{self.length} {before} to {after}{steps}{lr}")
 
     # ------------------------------------------------------------------------------------- save
     def save(self, state: TrainingState, metric: float | None = None, *, wait: bool = False) -> Path:
@@ -287,14 +317,7 @@ class CheckpointManager:
 
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoints that finished saving, oldest first (periodic before best at the same step)."""
-        if not self.dir.is_dir():
-            return []
-        found = []
-        for path in self.dir.iterdir():
-            match = _NAME.match(path.name)
-            if match and (path / PROGRESS_FILE).is_file():
-                found.append((int(match.group(2)), match.group(1) == "step", path))
-        return [path for _, _, path in sorted(found)]
+        return complete_checkpoints(self.dir)
 
     def _saved(self, name: str) -> bool:
         """Whether a checkpoint of this name is complete or being written."""
@@ -333,6 +356,8 @@ class CheckpointManager:
                     _remove_checkpoint(old)
                 except OSError as error:  # the new checkpoint is complete: only space is lost
                     self._print(f"warning: could not delete the old checkpoint {old}: {_reason(error)}")
+            if self.on_published is not None:
+                self.on_published(meta["step"])
         self._any_failure(None, group)  # the others wait until the folder is as it will stay
 
     def _write(self, name: str, meta: dict, snapshot: Snapshot | None, group) -> Path:
@@ -414,14 +439,20 @@ class CheckpointManager:
         now = json.loads(json.dumps(self.config))  # as it would read back from JSON: lists, floats
         differ = [name for name in sorted(saved.keys() | now.keys())
                   if name not in self.may_change and saved.get(name, _ABSENT) != now.get(name, _ABSENT)]
+        before, after = saved.get(self.length), now.get(self.length)
+        self._grown = None
+        if self.length in differ and type(before) is int and type(after) is int and after > before:
+            differ.remove(self.length)  # a longer run: extended (only the schedule changes, see `_extend`)
+            self._grown = (before, after)
         if not differ:
             return
         shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
                           for name in differ[:4])
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        grows = f", and --{self.length} may grow" if self.length else ""
         raise UsageError(
             f"checkpoint {path} belongs to a run with other settings: {shown}{more}. A run resumes only with its "
-            f"own settings (only {', '.join('--' + n for n in sorted(self.may_change))} may change); "
+            f"own settings (only {', '.join('--' + n for n in sorted(self.may_change))} may change{grows}); "
             "for a new run choose another --output_dir, or --resume none with an empty one"
         )
 
@@ -496,6 +527,34 @@ def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> N
         raise UsageError(f"{option} {path} cannot be created: {existing} is not writable")
 
 
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints in a `checkpoints/` folder that finished saving, oldest first (periodic before best at
+    the same step): the last is the one `--resume auto` continues from."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _NAME.match(path.name)
+        if match and (path / PROGRESS_FILE).is_file():
+            found.append((int(match.group(2)), match.group(1) == "step", path))
+    return [path for _, _, path in sorted(found)]
+
+
+def checkpoint_to_resume(resume: str) -> Path:
+    """The checkpoint `--resume PATH` names: a checkpoint folder, or a run folder (or its `checkpoints/`),
+    which stands for its newest complete checkpoint."""
+    path = Path(resume)
+    if not path.is_dir():
+        raise UsageError(f"--resume {resume}: no such checkpoint or run folder")
+    if (path / PROGRESS_FILE).is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        if found := complete_checkpoints(folder):
+            return found[-1]
+    raise UsageError(f"--resume {resume}: neither a complete checkpoint (no {PROGRESS_FILE}) nor a run folder with "
+                     "one; pass a run's --output_dir, one of its checkpoints/step_* folders, auto or none")
+
+
 def read_progress(path: Path) -> dict:
     try:
         meta = json.loads((path / PROGRESS_FILE).read_text())
@@ -562,6 +621,19 @@ def export_info(path: str | os.PathLike) -> dict:
             return json.loads((handle.metadata() or {}).get("info", "{}"))
     except (OSError, SafetensorError, ValueError) as error:
         raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
+
+
+def exported_model(init_from: str | os.PathLike) -> Path:
+    """The export `--init_from` names: a model.safetensors file, or a finished run's folder (its model.safetensors)."""
+    path = Path(init_from)
+    if path.is_dir():
+        if not (path / "model.safetensors").is_file():
+            raise UsageError(f"--init_from {init_from}: no model.safetensors in this folder (a run writes it when it "
+                             "finishes); pass a finished run's folder or its model.safetensors")
+        return path / "model.safetensors"
+    if not path.is_file():
+        raise UsageError(f"--init_from {init_from}: no such file or folder")
+    return path
 
 
 def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -204,32 +205,47 @@ class RunStatus:
     "finished", "stopped" (--stop_after_steps, or stopped for good by a sweep agent), "preempted"
     (checkpointed: requeue it) or "failed" (with the exit code and the error line). A reader that finds
     "running" after the job ended knows the run crashed (SIGKILL, OOM killer, a lost machine).
+    While "running", `step` is where a resume would continue: the start (0, or the step resumed from), then
+    the step of each checkpoint once it is complete (given `checkpoints`, the run's CheckpointManager; a
+    background save reports from its writer thread). So it is written once per checkpoint, never per step.
     With RUN_STATUS_FILE set, the same record is also written there (e.g. for a Slurm script).
     """
 
-    def __init__(self, accelerator, output_dir: str | os.PathLike, state):
+    def __init__(self, accelerator, output_dir: str | os.PathLike, state, checkpoints=None):
         self.enabled = accelerator.is_main_process
         self.paths = [Path(output_dir) / STATUS_FILE] + ([Path(os.environ["RUN_STATUS_FILE"])]
                                                           if os.environ.get("RUN_STATUS_FILE") else [])
-        self.state = state  # read at each write: the step the run had reached
+        self.state = state  # read at each end: the step the run had reached
         self.ended = False
+        self._lock = threading.Lock()  # a checkpoint's update (writer thread) never overwrites the end state
         self._write("running")
         at_failure(self.failed)  # every error that ends main() records itself here
+        if checkpoints is not None:
+            checkpoints.on_published = self.checkpointed
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of `step` is complete: while the run is running, a resume would continue from there."""
+        with self._lock:
+            if not self.ended:
+                self._write("running", step=step)
 
     def end(self, state: str, reason: str = "") -> None:
         """Record a normal end: finished, stopped or preempted."""
-        self._write(state, exit_code=END_STATES[state], reason=reason)
-        self.ended = True
+        with self._lock:
+            self._write(state, exit_code=END_STATES[state], reason=reason)
+            self.ended = True
 
     def failed(self, exit_code: int, message: str) -> None:
-        if not self.ended:
-            self.ended = True
-            self._write("failed", exit_code=exit_code, error=message)
+        with self._lock:
+            if not self.ended:
+                self.ended = True
+                self._write("failed", exit_code=exit_code, error=message)
 
-    def _write(self, state: str, **fields) -> None:
+    def _write(self, state: str, step: int | None = None, **fields) -> None:
         if not self.enabled:
             return
-        record = {"state": state, "step": self.state.step, **fields, "host": socket.gethostname(),
+        step = self.state.step if step is None else step
+        record = {"state": state, "step": step, **fields, "host": socket.gethostname(),
                   "pid": os.getpid(), "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         for path in self.paths:
             tmp = path.with_name(f".{path.name}.tmp")

@@ -230,6 +230,12 @@ MUTATIONS = [
              "    (path / PROGRESS_FILE).unlink(missing_ok=True)\n    _fsync_dir(path)\n    shutil.rmtree(path)",
              "    shutil.rmtree(path)",
              tests=(TC + "test_a_deletion_cut_short_leaves_no_folder_that_looks_complete", KILLS)),
+    mutation("extended-run-keeps-the-old-schedule", "checkpoints: a longer run follows its new schedule", CHECKPOINT,
+             '                group["lr"] = lr\n', "",
+             tests=TC + "test_a_longer_run_extends_its_checkpoint_with_the_schedule_of_the_new_length"),
+    mutation("status-step-not-moved-by-checkpoints", "status.json: a running run's step is its last checkpoint",
+             CHECKPOINT, '                self.on_published(meta["step"])\n', "                pass\n",
+             tests=TC + "test_status_step_is_the_last_complete_checkpoint_while_running"),
     # --- distributed
     mutation("gather-instead-of-gather-for-metrics", "distributed: gather_for_metrics", IMAGE,
              "accelerator.gather_for_metrics((losses, logits.argmax(-1), labels))",

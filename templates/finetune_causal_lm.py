@@ -466,9 +466,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "compile",
                                            "gradient_checkpointing", "merge_lora"},
         model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
+        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
     )
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
-    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     accelerator.print(
         f"{cfg.model}: {n_params:,} parameters, {n_trained:,} trained "

@@ -32,7 +32,7 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
 
 from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import CheckpointManager, export_weights  # noqa: E402
+from common.checkpoint import CheckpointManager, export_weights, exported_model, load_exported  # noqa: E402
 from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
@@ -60,6 +60,7 @@ class Config(OptimOptions, RunOptions):
     depth: int = option(2, "Residual blocks per stage.", "[1, inf)")
     dropout: float = option(0.1, "Dropout before the classifier.", "[0, 1)")
     label_smoothing: float = option(0.05, "Cross-entropy label smoothing.", "[0, 1)")
+    init_from: str | None = option(None, "A finished run (folder or model.safetensors) to start from (same model).")
     augment: bool = option(True, "Random shifts, scales and rotations of training images.")
     hflip: bool = option(False, "Also flip training images left-right (not for digits).")
     num_workers: int = option(-1, "Loader workers per process; -1 picks for the data.", "[-1, 128]")
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total_steps = cfg.epochs * math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
 
     model = build_model(cfg, data)
+    if cfg.init_from is not None:  # a new run from a finished run's weights: its own optimizer and schedule
+        load_exported(model, exported_model(cfg.init_from))  # refuses any other shape
     # What using the model needs, with the run and in the export: ResNet(**model), names of its outputs, input side.
     model_info = {"model": model.options, "classes": data.classes, "image_size": data.image_size}
     learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
@@ -252,9 +255,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     ckpt = CheckpointManager.for_run(accelerator, cfg, template="image_classification", metric="val/accuracy",
-                                     mode="max", model_info=model_info)  # in the background: --checkpoint_background
+                                     mode="max", model_info=model_info,  # in the background: --checkpoint_background
+                                     # a resume may train more epochs: the schedule then follows the new length
+                                     length="epochs", total_steps=total_steps)
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout and augmentation stream
-    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     accelerator.print(f"{len(data.train)} training / {len(data.val)} validation images, {total_steps} optimizer steps, "
                       f"{sum(p.numel() for p in model.parameters()):,} parameters, learning rate {learning_rate:g}")

@@ -36,7 +36,13 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
 
 from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, export_weights, load_exported  # noqa: E402
+from common.checkpoint import (  # noqa: E402
+    MAY_CHANGE_ON_RESUME,
+    CheckpointManager,
+    export_weights,
+    exported_model,
+    load_exported,
+)
 from common.config import RunOptions, option, parse_config  # noqa: E402
 from common.data import TokenWindows, build_loaders, split_by_key, token_file_splits  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
@@ -67,7 +73,7 @@ class Config(OptimOptions, RunOptions):
     n_head: int = option(4, "Attention heads per block.", "[1, inf)")
     n_embd: int = option(64, "Model width (a multiple of n_head).", "[1, inf)")
     dropout: float = option(0.0, "Dropout on embeddings, attention and residual branches.", "[0, 1)")
-    init_from: str | None = option(None, "A model.safetensors export to fine-tune (same model options).")
+    init_from: str | None = option(None, "A finished run (folder or model.safetensors) to start from (same model).")
     compile: bool = option(False, "torch.compile each transformer block.")
     activation_checkpointing: bool = option(False, "Recompute each block's activations in backward: less memory.")
     prompt: str = option("def ", "Text the sample at the end continues (byte-level data only).")
@@ -246,23 +252,22 @@ class GPT(nn.Module):
 def build_model(cfg: Config, vocab_size: int) -> GPT:
     """A new model, or with --init_from one holding an export's weights (its shapes must match the options)."""
     block_size = cfg.block_size
-    if cfg.init_from is not None:
-        positions = exported_positions(Path(cfg.init_from))
+    init_from = exported_model(cfg.init_from) if cfg.init_from is not None else None
+    if init_from is not None:
+        positions = exported_positions(init_from)
         if positions is not None and cfg.block_size > positions:
             raise UsageError(f"--block_size {cfg.block_size} is longer than the {positions} positions "
                              f"the model in {cfg.init_from} allows")
         block_size = positions or cfg.block_size  # shorter training sequences use the first positions
     model = GPT(vocab_size, block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.activation_checkpointing)
-    if cfg.init_from is not None:
-        load_exported(model, cfg.init_from)  # refuses any other shape
+    if init_from is not None:
+        load_exported(model, init_from)  # refuses any other shape
     return model
 
 
 def exported_positions(path: Path) -> int | None:
     from safetensors import SafetensorError, safe_open
 
-    if path.is_dir():
-        raise UsageError(f"--init_from {path} is a folder, not a model.safetensors export")
     try:
         with safe_open(str(path), framework="pt") as handle:
             return handle.get_slice("wpe.weight").get_shape()[0] if "wpe.weight" in handle.keys() else None
@@ -335,9 +340,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                            "compile", "activation_checkpointing"},
         model_info=model_info,
+        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
     )
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
-    status = RunStatus(accelerator, cfg.output_dir, state)  # status.json: "running" until the run ends
+    status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
     throughput = Throughput(accelerator, "tokens", cfg.batch_size * cfg.block_size, max(0, cfg.num_workers),
                             flops_per_token, cfg.peak_tflops)  # speed, data wait and MFU, in each log line

@@ -106,7 +106,7 @@ CASES = {
                                                  "was written by template 'language_model', "
                                                  "not 'image_classification'"),
     "image/resume-path-missing": Case("image", ("--resume", "{data}/no_such_checkpoint"),
-                                      "no_such_checkpoint: no such checkpoint folder"),
+                                      "no_such_checkpoint: no such checkpoint or run folder"),
     "image/folder-of-another-run": Case("image", ("--resume", "none"), "already holds checkpoints of a run (newest: "),
     "image/folder-of-another-template": Case("image", (),
                                              "holds a run of template 'language_model'; choose another --output_dir",
@@ -137,7 +137,8 @@ CASES = {
                                             "use --batch_size 4 or less"),
     "lm/odd-token-file": Case("lm", ("--data_path", "{data}/odd.bin"), "has 3 bytes, not a multiple of 2"),
     "lm/unreadable-corpus": Case("lm", ("--data_path", "/proc/1/mem"), "cannot read /proc/1/mem ("),  # even for root
-    "lm/init-from-a-folder": Case("lm", ("--init_from", "{data}"), "--init_from {data} is a folder, not a model"),
+    "lm/init-from-a-folder": Case("lm", ("--init_from", "{data}"), "--init_from {data}: no model.safetensors in this "
+                                                                     "folder (a run writes it when it finishes)"),
     "lm/checkpoint-of-another-shape": Case("lm", ("--data_path", "{data}/corpus.txt", "--n_embd", "64"),
                                            "belongs to a run with other settings: --n_embd 32 there, 64 now"),
     "lm/unsafe-checkpoint": Case("lm", ("--resume", "{data}/tampered_lm"),

@@ -31,7 +31,7 @@ from common.checkpoint import (
     load_exported,
     read_progress,
 )
-from common.errors import UsageError
+from common.errors import RunStatus, UsageError, read_status
 from common.optim import warmup_cosine, weight_decay_groups
 from conftest import REPO, clean_env, launch, reset_accelerate_state
 from helpers import snapshot
@@ -63,17 +63,20 @@ class TiedLM(torch.nn.Module):
 
 
 def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last: int = 3, mode: str = "max",
-          init_seed: int = 0, background: bool = False):
-    """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager."""
+          init_seed: int = 0, background: bool = False, max_steps: int | None = None):
+    """A fresh in-process job: Accelerator, prepared model/optimizer/scheduler, checkpoint manager; with
+    `max_steps`, a run of that length (an option that may grow on resume), else one of 20 steps."""
     reset_accelerate_state()
     accelerator = build_accelerator(seed=0)
     torch.manual_seed(init_seed)
     model = Tiny(width)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=1e-2)
-    scheduler = warmup_cosine(optimizer, 2, 20)
+    scheduler = warmup_cosine(optimizer, 2, max_steps or 20)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    ckpt = CheckpointManager(accelerator, output_dir, template=template, config={"width": width},
-                             metric="val/accuracy", mode=mode, keep_last=keep_last, background=background)
+    length = {"length": "max_steps", "total_steps": max_steps} if max_steps else {}
+    ckpt = CheckpointManager(accelerator, output_dir, template=template,
+                             config={"width": width} | ({"max_steps": max_steps} if max_steps else {}),
+                             metric="val/accuracy", mode=mode, keep_last=keep_last, background=background, **length)
     return SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, ckpt=ckpt)
 
 
@@ -316,8 +319,28 @@ def test_an_explicit_path_to_an_interrupted_save_is_refused(job, monkeypatch):
     monkeypatch.setattr(job.accelerator, "save_state", crash)
     with pytest.raises(OSError):
         job.ckpt.save(TrainingState(step=1))
-    with pytest.raises(UsageError, match="not a complete checkpoint"):
+    with pytest.raises(UsageError, match="neither a complete checkpoint .no progress.json. nor a run folder"):
         job.ckpt.resume(str(job.ckpt.dir / ".tmp-step_00000001"))
+
+
+# --- status.json follows the checkpoints ---------------------------------------------------------------
+
+@pytest.mark.parametrize("background", [False, True], ids=["at-the-step", "background"])
+def test_status_step_is_the_last_complete_checkpoint_while_running(tmp_path, fresh_accelerate, background):
+    """While running, status.json's step is where a resume would continue: written once per checkpoint (by the
+    writer thread in the background mode), not per step; a checkpoint completing after the end changes nothing."""
+    job = setup(tmp_path / "run", background=background)
+    state = job.ckpt.resume("none")
+    status = RunStatus(job.accelerator, job.ckpt.output_dir, state, job.ckpt)
+    assert read_status(job.ckpt.output_dir)["step"] == 0
+    state.step = 3
+    job.ckpt.save(state)
+    state.step = 5  # trained on, no checkpoint yet: a resume would still continue from 3
+    job.ckpt.wait()
+    assert {k: read_status(job.ckpt.output_dir)[k] for k in ("state", "step")} == {"state": "running", "step": 3}
+    status.end("stopped", "--stop_after_steps")
+    status.checkpointed(7)  # too late: the end state stays
+    assert {k: read_status(job.ckpt.output_dir)[k] for k in ("state", "step")} == {"state": "stopped", "step": 5}
 
 
 # --- resume arguments and refusals ------------------------------------------------------------------
@@ -347,6 +370,29 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(job):
     assert resumed.ckpt.resume("auto") == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
 
 
+def test_resume_a_run_folder_takes_its_newest_complete_checkpoint(job, tmp_path):
+    """`--resume runs/x` (or runs/x/checkpoints) continues from what `--resume auto` would pick in runs/x."""
+    job.ckpt.save(TrainingState(step=1))
+    progress = TrainingState(step=3)
+    job.ckpt.save_best(progress, 0.5)
+    progress.batches_in_epoch = 7
+    job.ckpt.save(progress)  # same step as the best, newer progress
+    (job.ckpt.dir / "step_00000009").mkdir()  # a folder without progress.json is not a checkpoint
+    for given in (job.ckpt.output_dir, job.ckpt.dir):
+        other = setup(tmp_path / f"from_{given.name}", init_seed=2)
+        assert other.ckpt.resume(str(given)) == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
+
+
+def test_resume_a_folder_without_checkpoints_names_what_to_pass(job, tmp_path):
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    for given in (tmp_path / "empty_run", tmp_path / "empty_run" / "checkpoints"):
+        with pytest.raises(UsageError) as info:
+            job.ckpt.resume(str(given))
+        assert str(info.value) == (f"--resume {given}: neither a complete checkpoint (no progress.json) nor a run "
+                                   "folder with one; pass a run's --output_dir, one of its checkpoints/step_* folders, "
+                                   "auto or none")
+
+
 def test_resume_none_and_auto_in_an_empty_folder_start_fresh(tmp_path, fresh_accelerate):
     for mode in ("none", "auto"):
         job = setup(tmp_path / mode)
@@ -355,13 +401,13 @@ def test_resume_none_and_auto_in_an_empty_folder_start_fresh(tmp_path, fresh_acc
 
 
 def test_resume_path_that_does_not_exist(job, tmp_path):
-    with pytest.raises(UsageError, match="no such checkpoint folder"):
+    with pytest.raises(UsageError, match="no such checkpoint or run folder"):
         job.ckpt.resume(str(tmp_path / "nowhere"))
 
 
 def test_resume_path_without_progress(job, tmp_path):
     (tmp_path / "junk").mkdir()
-    with pytest.raises(UsageError, match="not a complete checkpoint"):
+    with pytest.raises(UsageError, match="neither a complete checkpoint .no progress.json. nor a run folder"):
         job.ckpt.resume(str(tmp_path / "junk"))
 
 
@@ -405,6 +451,35 @@ def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_writ
         assert "\n" not in message and "belongs to a run with other settings: --lr (not set) there, 0.5 now" in message
         assert "another --output_dir" in message
     assert snapshot(job.ckpt.output_dir) == before and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_longer_run_extends_its_checkpoint_with_the_schedule_of_the_new_length(tmp_path, fresh_accelerate, capsys):
+    """--max_steps 10 trained to its end, resumed with 16: the learning rate of step 10 on is the 16-step
+    schedule's (restored from the checkpoint it was the 10-step one's), and it says so; a shorter run is refused."""
+    short = setup(tmp_path / "run", max_steps=10)
+    short.ckpt.resume("none")
+    train(short, 10)
+    path = short.ckpt.save(TrainingState(step=10))
+    weights, ended_at = params(short), short.optimizer.param_groups[0]["lr"]
+    assert ended_at == pytest.approx(1e-2 * 0.1)  # the cosine's end
+
+    capsys.readouterr()
+    longer = setup(tmp_path / "run", max_steps=16)
+    assert longer.ckpt.resume("auto").step == 10
+    assert same_tensors(params(longer), weights)
+    new_lr = 1e-2 * warmup_cosine(torch.optim.SGD([torch.zeros(1)], lr=1), 2, 16).lr_lambdas[0](10)
+    assert [g["lr"] for g in longer.optimizer.param_groups] == [new_lr] * 2 == longer.scheduler.get_last_lr()
+    assert (f"extending the run from --max_steps 10 to 16 (10 to 16 optimizer steps); the learning rate at step 10 "
+            f"changes from {ended_at:.6g} to {new_lr:.6g} (the warmup and cosine of the new length from here on)"
+            in capsys.readouterr().out)
+    train(longer, 1)
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        1e-2 * warmup_cosine(torch.optim.SGD([torch.zeros(1)], lr=1), 2, 16).lr_lambdas[0](11))
+
+    with pytest.raises(UsageError) as info:  # a shorter run is another run
+        setup(tmp_path / "run", max_steps=9).ckpt.resume(str(path))
+    assert str(info.value).startswith(f"checkpoint {path} belongs to a run with other settings: --max_steps 10 "
+                                      "there, 9 now. ") and "and --max_steps may grow)" in str(info.value)
 
 
 def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):

@@ -488,7 +488,10 @@ def test_status_json_says_how_every_launch_ended(runs, name):
         if launch.event.fault.startswith("kill") and launch.event.rank != 0:  # the main process lives on and notices
             state, code = "failed", 5
         assert launch.status is not None and launch.status["state"] == state, (launch.event, launch.status)
-        if state == "running":  # SIGKILLed: nothing could write more; a reader knows the run crashed
+        if state == "running":  # SIGKILLed: nothing could write more; a reader knows the run crashed, and its step
+            # is where a resume continues: the start or a complete checkpoint (the newest, unless it was killed
+            # between publishing one and recording it: tested without that race on its own below)
+            assert launch.status["step"] in {0, resumed_step(launch), *launch.progress.values()}, launch.status
             continue
         assert launch.status["exit_code"] == code, launch.status
         if state == "failed":
@@ -500,6 +503,20 @@ def test_status_json_says_how_every_launch_ended(runs, name):
     for launch in (chain.baseline, chain.launches[-1]):
         assert launch.status["state"] == "finished" and launch.status["exit_code"] == 0, launch.status
         assert launch.result.returncode == 0
+
+
+def test_status_json_of_a_killed_run_says_the_step_a_resume_continues_from(tmp_path):
+    """SIGKILL just before step 6 (checkpoints at steps 2 and 4, written at the step so the test cannot race
+    the writer): status.json still says "running", and its step is 4, the last complete checkpoint, where the
+    restart continues."""
+    args = (*IMAGE_ARGS, "--checkpoint_background", "false")
+    killed = one_run(IMAGE, "cpu.yaml", tmp_path, args, {"FAULT": "kill", "FAULT_STEP": 6})
+    assert killed.records[0]["steps_done"] == 5, show(killed)
+    assert (killed.status["state"], killed.status["step"]) == ("running", 4), killed.status
+    assert killed.progress[newest(killed)] == 4
+    again = one_run(IMAGE, "cpu.yaml", tmp_path, (*args, "--stop_after_steps", "1"))
+    assert resumed_step(again) == 4, show(again)
+    assert (again.status["state"], again.status["step"]) == ("stopped", 5), again.status
 
 
 # ------------------------------------------------------------------------------------ a hung rank

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -200,6 +201,22 @@ def finished(run) -> list[dict]:
     result = run["result"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [json.loads(line) for line in (run["out"] / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_higher_max_steps_extends_a_finished_run(runs, tiny_model, tmp_path):
+    """A copy of the finished 60-step run, the same command with --max_steps 66: six more steps under the
+    66-step schedule, then the evaluation and the export at step 66."""
+    finished(runs["single-full"])
+    out = tmp_path / "run"
+    shutil.copytree(runs["single-full"]["out"], out)
+    result = launch("cpu.yaml", REPO / "templates" / "finetune_causal_lm.py", "--model", str(tiny_model), "--data_path",
+                    str(runs["single-full"]["out"].parent / "reverse.jsonl"), "--output_dir", str(out),
+                    *RUNS["single-full"][1], "--max_steps", "66", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "extending the run from --max_steps 60 to 66 (60 to 66 optimizer steps); the learning rate at step 60 " \
+           "changes from 0.0003 to " in result.stdout
+    assert [r["step"] for r in finished({"result": result, "out": out}) if "val/loss" in r][-1] == 66
+    assert json.loads((out / "status.json").read_text())["step"] == 66
 
 
 @pytest.mark.parametrize("name", ["single-full", "single-lora-merged-chat", "ddp-full", "fsdp-full"])

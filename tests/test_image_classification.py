@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
 from helpers import read_metrics, snapshot
 from common.errors import read_status
+from common.optim import warmup_cosine
 
 TEMPLATE = REPO / "templates" / "image_classification.py"
 TINY = ("--epochs", "2", "--width", "8", "--depth", "1", "--tracker", "none")
@@ -279,7 +280,8 @@ def test_fsdp_trains_sharded_resumes_and_exports(tmp_path, ddp_baseline):
     ids=["1-process", "2-ddp-ranks"],
 )
 def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, tmp_path, request):
-    """Stop mid-epoch 1, resume and stop again after crossing into epoch 2, resume to the end."""
+    """Stop mid-epoch 1, resume and stop again after crossing into epoch 2, resume to the end (naming the run
+    folder, as `--resume runs/image_classification` would)."""
     reference = request.getfixturevalue(baseline)[0]
     per_epoch = EXACT_STEPS_PER_EPOCH[processes]
     first_stop, second_stop = per_epoch // 2 - 1, per_epoch + 2
@@ -300,7 +302,7 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     # crossed into epoch 2
     assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))
 
-    result = run_template(config, out, *EXACT, "--resume", "auto")
+    result = run_template(config, out, *EXACT, "--resume", str(out))  # a run folder: its newest checkpoint
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
     assert "final validation accuracy" in result.stdout
     assert read_status(out)["state"] == "finished"
@@ -308,6 +310,52 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
     strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731
     assert strip(val_records(out)) == strip(val_records(reference))
+
+
+def test_more_epochs_extend_a_finished_run_and_the_extension_resumes_exactly(tmp_path):
+    """A 1-epoch run trained to its end, then the README's command for more: the same run with --epochs 2 goes on
+    from step 18 under the schedule of 36 steps. Stopped part-way and resumed with that command, it ends
+    bit-identical to the extension uninterrupted from the same checkpoint. (A shorter run is refused:
+    test_checkpoint.py.)"""
+    out, reference = tmp_path / "run", tmp_path / "reference"
+    per_epoch = EXACT_STEPS_PER_EPOCH[1]
+    run_template("cpu.yaml", out, *EXACT, "--epochs", "1")
+    assert read_status(out)["state"] == "finished"
+    shutil.copytree(out, reference)
+
+    # warmup min(50, 18 // 2) then cosine to 0.1 of 2e-3 at step 18; over 36 steps the warmup is 18: the peak
+    extending = (f"extending the run from --epochs 1 to 2 ({per_epoch} to {2 * per_epoch} optimizer steps); the "
+                 f"learning rate at step {per_epoch} changes from 0.0002 to 0.002 (the warmup and cosine of the new "
+                 "length from here on)")
+    result = run_template("cpu.yaml", reference, *EXACT, "--epochs", "2")
+    assert extending in result.stdout and "epoch 2/2" in result.stdout
+    stop = per_epoch + 5
+    result = run_template("cpu.yaml", out, *EXACT, "--epochs", "2", "--stop_after_steps", "5")
+    assert extending in result.stdout and f"stopped at step {stop}" in result.stdout
+    result = run_template("cpu.yaml", out, *EXACT, "--epochs", "2")
+    assert f"resumed from {out / 'checkpoints' / f'step_{stop:08d}'}" in result.stdout
+    assert "extending" not in result.stdout  # its checkpoint recorded the new length
+    assert (read_status(out)["state"], read_status(out)["step"]) == ("finished", 2 * per_epoch)
+
+    assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
+    strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731
+    assert strip(val_records(out)) == strip(val_records(reference))
+    logged_lr = {r["step"]: r["lr"] for r in read_metrics(out) if "lr" in r}  # every 10 steps: the next step's
+    longer = warmup_cosine(torch.optim.SGD([torch.zeros(1)], lr=1), per_epoch, 2 * per_epoch).lr_lambdas[0]
+    assert logged_lr[20] == pytest.approx(2e-3 * longer(20))
+
+
+
+def test_init_from_starts_a_new_run_from_a_finished_runs_weights(tmp_path, plain_run):
+    """`--init_from <run folder>` in another --output_dir: a new run (its own optimizer and schedule) whose model
+    starts as the finished run's export. With a learning rate too small to move it, it ends where it started."""
+    out = tmp_path / "new"
+    result = run_template("cpu.yaml", out, *TINY, "--epochs", "1", "--init_from", str(plain_run[0]),
+                          "--learning_rate", "1e-12")
+    assert "resumed from" not in result.stdout and progress_of(out / "checkpoints" / "step_00000022")["step"] == 22
+    start, end = load_file(str(plain_run[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert start.keys() == end.keys() and all(torch.allclose(start[k], end[k], rtol=0, atol=1e-9) for k in start)
+    assert val_records(out)[-1]["val/loss"] == pytest.approx(val_records(plain_run[0])[-1]["val/loss"], rel=1e-6)
 
 
 def test_weight_comparison_detects_a_different_run(tmp_path, single_baseline):
@@ -379,8 +427,13 @@ BAD_INPUTS = {
     "wrong-type": (["--epochs=abc"], "--epochs: expected an integer, got 'abc'"),
     "missing-data-dir": (["--data_dir", "{tmp}/no_such_folder"], "no_such_folder: no such folder"),
     "empty-data-dir": (["--data_dir", "{tmp}/empty"], "need at least 2 class folders"),
-    "resume-nonexistent": (["--resume", "/nonexistent"], "--resume /nonexistent: no such checkpoint folder"),
+    "resume-nonexistent": (["--resume", "/nonexistent"], "--resume /nonexistent: no such checkpoint or run folder"),
     "resume-none-over-a-run": (["--resume", "none"], "already holds checkpoints"),
+    "init-from-another-shape": (["--init_from", "{tmp}/existing_run", "--width", "16"],
+                                "existing_run/model.safetensors does not fit this model: shape of "),
+    "resume-folder-without-checkpoints": (["--resume", "{tmp}/empty"], "/empty: neither a complete "
+                                          "checkpoint (no progress.json) nor a run folder with one; pass a run's "
+                                          "--output_dir, one of its checkpoints/step_* folders, auto or none"),
 }
 MODES = ("python", "accelerate")
 

@@ -109,6 +109,18 @@ def test_one_process_trains_exports_and_samples(tmp_path, corpus):
     assert not metrics(tmp_path / "run", "mfu")  # no GPU, no peak to compare with: no MFU rather than a made-up one
 
 
+def test_a_higher_max_steps_extends_a_finished_run(tmp_path, corpus):
+    """The finished 14-step run, the same command with --max_steps 20: it trains steps 15 to 20 under the
+    20-step schedule (the cosine had ended at 0.1 of 1e-2), validates and exports at step 20."""
+    out = tmp_path / "run"
+    run("cpu.yaml", out, corpus)
+    result = run("cpu.yaml", out, corpus, "--max_steps", "20")
+    assert ("extending the run from --max_steps 14 to 20 (14 to 20 optimizer steps); the learning rate at step 14 "
+            "changes from 0.001 to 0.00325 (the warmup and cosine of the new length from here on)") in result.stdout
+    assert sorted(metrics(out, "train/loss")) == list(range(1, 21)) and sorted(metrics(out, "val/loss"))[-1] == 20
+    assert json.loads((out / "status.json").read_text())["step"] == 20 and (out / "model.safetensors").is_file()
+
+
 def test_template_and_common_alone_train_in_an_empty_folder(tmp_path):
     """Copied as the README says (this file and common/), on its built-in corpus, with no repo around it."""
     app, env = copy_template_alone("language_model", tmp_path)
