@@ -250,12 +250,8 @@ def load_splits(cfg: Config) -> dict:
     path = Path(cfg.data_path)
     if path.exists():
         datasets.disable_progress_bars()  # quick on local files; a Hub download keeps its progress bars
-    saved = path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET)
-    if cfg.data_config and (saved or path.is_file()):
-        raise UsageError(f"--data_config names a configuration of a Hub dataset or of a folder of data files; "
-                         f"--data_path {path} has none")
     try:
-        if saved:
+        if is_saved_dataset(path):
             loaded = datasets.load_from_disk(str(path))
         elif path.is_file():
             loaded = datasets.load_dataset(DATASET_FILES[path.suffix], data_files=str(path))
@@ -266,6 +262,10 @@ def load_splits(cfg: Config) -> dict:
         raise UsageError(f"--data_path {path}: " + ("cannot load it" if path.exists() else "no such file or folder, "
                          "and `datasets` cannot load it as a Hub dataset") + f" ({reason})") from None
     return {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET)
 
 
 def is_plain_text(path: Path) -> bool:
@@ -291,6 +291,9 @@ def load_examples(cfg: Config, tokenizer) -> tuple[list[Example], list[Example],
     hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", cfg.data_path) and path.suffix not in (*DATASET_FILES, ".txt")
     if not path.exists() and not hub_id:
         raise UsageError(f"--data_path {path}: no such file or folder")
+    if cfg.data_config and path.exists() and (path.is_file() or is_saved_dataset(path) or is_plain_text(path)):
+        raise UsageError(f"--data_config names a configuration of a Hub dataset or of a folder of data files; "
+                         f"--data_path {path} has none")
     val_examples = None
     try:
         if path.exists() and is_plain_text(path):

@@ -226,6 +226,9 @@ BAD = {  # name: (how the data is written, extra options, the expected part of t
                                   "Unexpected message role: robot"),
     "split-missing": ("save_to_disk", [{"prompt": "a", "completion": " b"}] * 4, ("--data_split", "train_sft"),
                       "has no split 'train_sft' (its splits: train)"),
+    "config-of-a-file": ("jsonl", [{"prompt": "a", "completion": " b"}] * 4, ("--data_config", "default"),
+                         "--data_config names a configuration of a Hub dataset or of a folder of data files; "
+                         "--data_path {tmp}/data.jsonl has none"),
     "hub-id-unknown": (None, None, ("--data_path", "someone/no-such-dataset"),
                        "--data_path someone/no-such-dataset: no such file or folder, and `datasets` cannot load it "
                        "as a Hub dataset (ConnectionError: "),
@@ -254,7 +257,7 @@ def test_bad_data_is_one_error_line_exit_2_and_nothing_written(case, tmp_path, t
         ft().main(argv)
     assert stop.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: ") and expected in errors[0], errors
+    assert len(errors) == 1 and errors[0].startswith("error: ") and expected.format(tmp=tmp_path) in errors[0], errors
     assert not out.exists()  # refused before anything was written
 
 
