@@ -179,6 +179,21 @@ def test_every_kind_of_file_gives_the_same_examples_and_the_same_stable_split(tm
     assert not list((tmp_path / "saved").glob("cache-*"))  # nothing written into the user's dataset folder
 
 
+def test_a_text_column_is_learned_whole_in_windows_of_max_length(tmp_path, tokenizers, offline_hub):
+    import datasets
+
+    tokenizer = tokenizers["chatml"]
+    documents = [{"text": f"document {n}: " + "the quick brown fox " * 6} for n in range(40)]
+    datasets.Dataset.from_list(documents).to_parquet(str(tmp_path / "text.parquet"))
+    train, val, kind = ft().load_examples(ft().Config(data_path=str(tmp_path / "text.parquet"), max_length=16),
+                                          tokenizer)
+    assert kind == "text" and train and val
+    assert all(2 <= len(e.input_ids) <= 16 and e.labels == e.input_ids for e in train + val)
+    seventh = [e for e in train + val if json.loads(e.key) == documents[7]]  # a record's windows stay together
+    assert all(e in train for e in seventh) or all(e in val for e in seventh)
+    assert tokenizer.decode([t for e in seventh for t in e.input_ids]) == documents[7]["text"] + "<|im_end|>"
+
+
 def test_a_validation_split_is_used_as_it_is_from_a_folder_a_saved_dataset_and_a_hub_id(tmp_path, tokenizers,
                                                                                         offline_hub):
     import datasets
