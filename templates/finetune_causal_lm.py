@@ -61,7 +61,7 @@ class Config(OptimOptions, RunOptions):
                                      "--val_fraction of the training split.")
     val_fraction: float = option(0.1, "Records held out for validation, by a stable hash of each (data without a "
                                       "validation split).", "(0, 1)")
-    max_length: int = option(512, "Tokens per example; a longer example is refused with its line number.",
+    max_length: int = option(512, "Tokens per example; a longer example is refused with its line (or row).",
                              "[2, inf)")
     max_steps: int = option(200, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
     eval_every_steps: int = option(50, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
