@@ -21,6 +21,31 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3's way (its stock template, shortened): the reasoning of assistant turns before the last user message is
+# dropped (history rewritten), the last turn always shows a <think> block, empty if it has no reasoning; and, as
+# Gemma's and Mistral's templates do, a role it does not know is refused.
+QWEN3_STYLE_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' or message.role == 'user' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- raise_exception('Unexpected message role: ' + message.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "qwen3": QWEN3_STYLE_CHAT_TEMPLATE}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -39,7 +64,7 @@ def reverse_task(count: int, seed: int = 0, chat: bool = False) -> list[dict]:
     return examples
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, chat_template: str = "chatml"):
     """A byte-level BPE tokenizer (transformers' PreTrainedTokenizerFast) trained on a few synthetic lines."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -53,22 +78,23 @@ def train_tokenizer(vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, chat_template=CHAT_TEMPLATE)
+                                   bos_token=None, chat_template=CHAT_TEMPLATES[chat_template])
 
 
 def make_tiny_model(folder: str | Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4,
                     vocab_size: int = 384, tie_word_embeddings: bool = True, seed: int = 0,
-                    initializer_range: float = 0.2) -> Path:
+                    initializer_range: float = 0.2, chat_template: str = "chatml") -> Path:
     """Write the model (safetensors, fp32) and tokenizer to `folder`; returns it.
 
     `initializer_range` is 10x Llama's: with 0.02 a random tied embedding gives near-zero logits that only
     training the embedding can change, so LoRA (which leaves it frozen) could not learn anything in a test.
+    `chat_template`: "chatml" (only appends) or "qwen3" (rewrites earlier turns, QWEN3_STYLE_CHAT_TEMPLATE).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(folder)
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size, chat_template)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
                          max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
@@ -87,11 +113,14 @@ def main() -> None:
     parser.add_argument("folder", help="where to write the model and tokenizer")
     parser.add_argument("--hidden_size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--chat_template", choices=sorted(CHAT_TEMPLATES), default="chatml",
+                        help="chatml: only appends; qwen3: drops the reasoning of earlier turns, as Qwen3's does")
     parser.add_argument("--data", help="also write a JSONL file of the reverse-a-word task here")
     parser.add_argument("--examples", type=int, default=600, help="examples in --data")
     parser.add_argument("--chat", action="store_true", help="--data as chat `messages` instead of prompt/completion")
     args = parser.parse_args()
-    folder = make_tiny_model(args.folder, hidden_size=args.hidden_size, layers=args.layers)
+    folder = make_tiny_model(args.folder, hidden_size=args.hidden_size, layers=args.layers,
+                             chat_template=args.chat_template)
     print(f"wrote a tiny Llama-architecture model and its tokenizer to {folder}")
     if args.data:
         Path(args.data).parent.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,11 @@
         --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer templates/finetune_causal_lm.py \
         --model meta-llama/Llama-3.2-1B-Instruct --data_path chats.jsonl --lora_r 16
 
-Data (`--data_path`): JSONL with `prompt`/`completion` strings, or with chat `messages` rendered by the
-tokenizer's chat template, or plain text (a .txt file or a folder of them). The loss counts only completion
-/ assistant tokens (plain text: every token). Batches are padded per batch (no packing). Under FSDP rank 0
+Data (`--data_path`): a JSONL, JSON, parquet or CSV file, a folder of them, a `save_to_disk` folder or a Hub
+dataset id, in TRL's columns (`prompt`/`completion`, chat `messages` rendered by the tokenizer's chat template,
+or `text`), or plain text (a .txt file or a folder of them); the data's `validation` split if it has one. The
+loss counts only completion / assistant tokens, each assistant turn in the context the model writes it in
+(`text`: every token). Batches are padded per batch (no packing). Under FSDP rank 0
 alone reads the weights; every rank builds the model on the meta device, shards it and receives its shard
 by broadcast, so a machine holds one full copy while loading. Copy this file plus `common/` into your project.
 """
@@ -20,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -41,7 +44,7 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
 from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
 from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_export  # noqa: E402
-from common.config import RunOptions, option, parse_config  # noqa: E402
+from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
@@ -60,9 +63,15 @@ class Config(OptimOptions, RunOptions):
     """Fine-tune a pretrained causal LM from the Hub or a local folder: full fine-tuning or LoRA."""
 
     model: str = option("HuggingFaceTB/SmolLM2-135M-Instruct", "Hub id or local folder of a causal LM.")
-    data_path: str | None = option(None, "JSONL (prompt/completion or chat messages), a .txt file or a folder.")
-    val_fraction: float = option(0.1, "Examples held out for validation, by a stable hash of each.", "(0, 1)")
-    max_length: int = option(512, "Tokens per example; a longer example is refused with its line number.",
+    data_path: str | None = option(None, "JSONL/JSON/parquet/CSV file or folder, save_to_disk folder or Hub dataset "
+                                         "id (columns prompt/completion, messages or text), or .txt text.")
+    data_config: str = option("", "Configuration (load_dataset's name) of a Hub dataset or a folder of data files.")
+    data_split: str = option("train", "Split to train on.")
+    data_val_split: str = option("", "Split to validate on; '': 'validation' if the data has it, else "
+                                     "--val_fraction of the training split.")
+    val_fraction: float = option(0.1, "Records held out for validation, by a stable hash of each (data without a "
+                                      "validation split).", "(0, 1)")
+    max_length: int = option(512, "Tokens per example; a longer example is refused with its line (or row).",
                              "[2, inf)")
     max_steps: int = option(200, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
     eval_every_steps: int = option(50, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
@@ -87,11 +96,18 @@ class Config(OptimOptions, RunOptions):
 
 
 # ----------------------------------------------------------------------------------------- data
+DATASET_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # what `datasets` reads
+SAVED_DATASET = ("dataset_info.json", "dataset_dict.json", "state.json")  # what `save_to_disk` writes
+COLUMNS = "'prompt' and 'completion', 'messages' or 'text' (TRL's columns)"
+# What Qwen3-style templates put before the last assistant turn whatever the data holds: learned only if it is there
+EMPTY_REASONING = re.compile(r"<think>\s*</think>\s*")
+
+
 @dataclass
 class Example:
     input_ids: list[int]
     labels: list[int]  # IGNORE where the loss does not count; the token itself where it does
-    key: str  # what the validation split hashes: the example's own content
+    key: str  # what the validation split hashes: the record's own content (a record's examples share it)
 
 
 def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -101,95 +117,221 @@ def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int
     return prompt_ids + completion_ids, [IGNORE] * len(prompt_ids) + completion_ids
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Render with the chat template; learn only what each assistant message adds (its end-of-turn included).
+def encode_chat(tokenizer, messages: list[dict], learn_from: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Learn each assistant message (from index learn_from on) in the context the model sees when it writes it.
 
-    The conversation is rendered once per message and each piece is what that message added to the text,
-    so a template's own markup (role headers, the generation prompt) stays masked whatever it looks like.
+    That context is the conversation before it, rendered with the generation prompt; what the chat template
+    renders after that context is the message (its end-of-turn included), learned, less an empty reasoning
+    block the data does not hold. Turns share one example while each context continues the text so far (a
+    template that only appends: one example per conversation); where the template rewrites an earlier turn
+    (Qwen3 drops the reasoning of turns before the last user message), the next turn starts a new example.
     """
-    ids, labels, done = [], [], ""
+    examples, ids, labels, done = [], [], [], ""
     for index, message in enumerate(messages):
-        assistant = message["role"] == "assistant"
-        if assistant:  # the header the model sees at generation time is context, not a target
-            header = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-            ids, labels, done = _add_piece(tokenizer, ids, labels, done, header, learn=False)
-        text = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
-        ids, labels, done = _add_piece(tokenizer, ids, labels, done, text, learn=assistant)
-    return ids, labels
-
-
-def _add_piece(tokenizer, ids, labels, done: str, text: str, learn: bool):
-    if not text.startswith(done):
-        raise UsageError("the chat template renders a conversation's start differently once more messages follow; "
-                         "this template needs a chat template that only appends")
-    piece = tokenizer(text[len(done):], add_special_tokens=False)["input_ids"]
-    return ids + piece, labels + (piece if learn else [IGNORE] * len(piece)), text
-
-
-def read_jsonl(path: Path, tokenizer, max_length: int) -> list[Example]:
-    examples, too_long = [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
+        if message["role"] != "assistant" or index < learn_from:
             continue
-        where = f"{path} line {number}"
+        context = render_chat(tokenizer, messages, index, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, index + 1)
+        if not text.startswith(context):
+            raise UsageError(f"message {index + 1}: the chat template of --model renders this assistant message "
+                             f"without the generation prompt it puts before it ({context[-30:]!r}), so the "
+                             "message's tokens cannot be told from their context")
+        turn = text[len(context):]
+        empty = EMPTY_REASONING.match(turn)
+        if empty and "<think>" not in message["content"] and not any(
+                isinstance(message.get(k), str) and message[k].strip() for k in ("reasoning_content", "reasoning")):
+            turn = turn[empty.end():]
+        if not context.startswith(done):  # an earlier turn renders otherwise in this context: a new example
+            examples.append((ids, labels))
+            ids, labels, done = [], [], ""
+        for piece, learn in ((context[len(done):], False), (turn, True)):
+            tokens = tokenizer(piece, add_special_tokens=False)["input_ids"]
+            ids, labels = ids + tokens, labels + (tokens if learn else [IGNORE] * len(tokens))
+        done = context + turn
+    return examples + [(ids, labels)]
+
+
+def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:
+    """messages[:end] through the chat template; a conversation it refuses names the first message refused."""
+    try:
+        return tokenizer.apply_chat_template(messages[:end], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # jinja2's TemplateError (the template's raise_exception) or any other
+        first = next((i for i in range(end) if _refuses(tokenizer, messages[:i + 1])), max(end - 1, 0))
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"the chat template of --model refuses message {first + 1} "
+                         f"(role {messages[first]['role']!r}): {reason}") from None
+
+
+def _refuses(tokenizer, messages: list[dict]) -> bool:
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:
+        return True
+    return False
+
+
+def text_windows(tokenizer, text: str, max_length: int) -> list[list[int]]:
+    """Plain text as windows of max_length tokens (BOS if the tokenizer adds one, EOS at the end)."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+    return [ids[i:i + max_length] for i in range(0, len(ids) - 1, max_length)]
+
+
+def encode_record(record, tokenizer, max_length: int) -> tuple[list[tuple[list[int], list[int]]], str]:
+    """One record in TRL's columns as (input_ids, labels) examples, and its kind; a wrong one raises UsageError."""
+    if not isinstance(record, dict):
+        raise UsageError(f"needs {COLUMNS}, got a JSON {type(record).__name__}")
+    row = {name: value for name, value in record.items() if value is not None}  # datasets fills absent cells: None
+    if "messages" in row or isinstance(row.get("prompt"), list):  # a chat, or TRL's conversational prompt/completion
+        column = "messages" if "messages" in row else "prompt"
+        messages = row["messages"] if column == "messages" else row["prompt"] + row.get("completion", [])
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise UsageError(f"'{column}' needs a list of messages, each with a 'role' and a 'content' string")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        learn_from = 0 if column == "messages" else len(row["prompt"])  # conversational: the completion only
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages[learn_from:]):
+            raise UsageError("no assistant message with content: nothing to learn")
+        if tokenizer.chat_template is None:
+            raise UsageError("chat messages, but the tokenizer of --model has no chat template; use "
+                             "prompt/completion pairs or a model with a chat template")
+        return encode_chat(tokenizer, messages, learn_from), "chat"
+    if "prompt" in row or "completion" in row:
+        for name in ("prompt", "completion"):
+            if name not in row:
+                raise UsageError(f"no '{name}' column beside '{'completion' if name == 'prompt' else 'prompt'}'"
+                                 f"{_did_you_mean(name, row, '')}")
+            if not isinstance(row[name], str):
+                raise UsageError(f"'{name}' must be a string, got {type(row[name]).__name__}")
+        if not row["completion"].strip():
+            raise UsageError("empty completion: nothing to learn")
+        return [encode_completion(tokenizer, row["prompt"], row["completion"])], "completion"
+    if "text" in row:
+        if not isinstance(row["text"], str):
+            raise UsageError(f"'text' must be a string, got {type(row['text']).__name__}")
+        return [(ids, ids) for ids in text_windows(tokenizer, row["text"], max_length)], "text"
+    guess = next((hint for name in ("prompt", "completion", "messages", "text")
+                  if (hint := _did_you_mean(name, row, ""))), "")
+    raise UsageError(f"needs {COLUMNS}; it has {', '.join(map(repr, record)) or 'no column'}{guess}")
+
+
+def encode_rows(rows, tokenizer, max_length: int, source: str) -> tuple[list[Example], str]:
+    """rows: (where, record, key) of one split. An example longer than max_length is refused, not cut."""
+    examples, too_long, kinds = [], [], []
+    for where, record, key in rows:
         try:
-            record = json.loads(line)
-        except ValueError as error:
-            raise UsageError(f"{where}: not JSON ({error})") from None
-        if isinstance(record, dict) and isinstance(record.get("messages"), list):
-            messages = record["messages"]
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages):
-                raise UsageError(f"{where}: every message needs a 'role' and a 'content' string")
-            if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-                raise UsageError(f"{where}: no assistant message with content: nothing to learn")
-            if tokenizer.chat_template is None:
-                raise UsageError(f"{where}: chat messages, but the tokenizer of --model has no chat template; use "
-                                 "prompt/completion pairs or a model with a chat template")
-            ids, labels = encode_chat(tokenizer, messages)
-        elif isinstance(record, dict) and isinstance(record.get("prompt"), str) \
-                and isinstance(record.get("completion"), str):
-            if not record["completion"].strip():
-                raise UsageError(f"{where}: empty completion: nothing to learn")
-            ids, labels = encode_completion(tokenizer, record["prompt"], record["completion"])
-        else:
-            raise UsageError(f"{where}: needs 'prompt' and 'completion' strings, or a 'messages' list")
-        if len(ids) > max_length:
-            too_long.append(f"line {number} ({len(ids)} tokens)")
-        examples.append(Example(ids, labels, line.strip()))
+            pairs, kind = encode_record(record, tokenizer, max_length)
+        except UsageError as error:
+            raise UsageError(f"{source} {where}: {error}") from None
+        kinds.append(kind)
+        too_long += [f"{where} ({len(ids)} tokens)" for ids, _ in pairs if len(ids) > max_length]
+        examples += [Example(ids, labels, key) for ids, labels in pairs]
     if too_long:  # refused, not truncated or dropped: either would silently train on something else
-        raise UsageError(f"{path}: {len(too_long)} examples are longer than --max_length {max_length} "
+        raise UsageError(f"{source}: {len(too_long)} examples are longer than --max_length {max_length} "
                          f"(e.g. {', '.join(too_long[:3])}); raise --max_length or shorten them")
-    return examples
+    return examples, kinds[0] if kinds else "completion"
+
+
+def jsonl_rows(path: Path):
+    """A JSONL file line by line, without `datasets` (its errors name the line)."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise UsageError(f"{path} line {number}: not JSON ({error})") from None
+            yield f"line {number}", record, line.strip()
+
+
+def dataset_rows(dataset):
+    """A `datasets.Dataset` row by row (rows count from 0, as dataset[i] does)."""
+    for index, row in enumerate(dataset):
+        yield f"row {index}", row, json.dumps(row, default=str)  # the key of the same record as a JSONL line
+
+
+def load_splits(cfg: Config) -> dict:
+    """--data_path through `datasets`, split name -> Dataset: a file or a folder of data files or a Hub id
+    (`load_dataset`; a folder's split names come from its file names: train*, validation*, test*), or a
+    `save_to_disk` folder (`load_from_disk`)."""
+    import datasets  # here only: the other templates, JSONL and text data never need it
+
+    datasets.utils.logging.set_verbosity_error()
+    path = Path(cfg.data_path)
+    if path.exists():
+        datasets.disable_progress_bars()  # quick on local files; a Hub download keeps its progress bars
+    try:
+        if is_saved_dataset(path):
+            loaded = datasets.load_from_disk(str(path))
+        elif path.is_file():
+            loaded = datasets.load_dataset(DATASET_FILES[path.suffix], data_files=str(path))
+        else:
+            loaded = datasets.load_dataset(cfg.data_path, name=cfg.data_config or None)
+    except Exception as error:  # datasets' and pyarrow's own errors: one line, whatever their kind
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        raise UsageError(f"--data_path {path}: " + ("cannot load it" if path.exists() else "no such file or folder, "
+                         "and `datasets` cannot load it as a Hub dataset") + f" ({reason})") from None
+    return {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET)
+
+
+def is_plain_text(path: Path) -> bool:
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return not any(f.suffix in DATASET_FILES or f.name in SAVED_DATASET for f in files)
 
 
 def read_text(path: Path, tokenizer, max_length: int) -> list[Example]:
-    """A plain text file as windows of max_length tokens, every token learned."""
-    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
-    return [Example(ids[i:i + max_length], ids[i:i + max_length], f"{path.name}:{i}")
-            for i in range(0, len(ids) - 1, max_length)]
+    """A .txt file or a folder of text files as windows of max_length tokens, every token learned."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
+        else [path]
+    return [Example(ids, ids, f"{f.name}:{i * max_length}") for f in files
+            for i, ids in enumerate(text_windows(tokenizer, f.read_text(encoding="utf-8"), max_length))]
 
 
 def load_examples(cfg: Config, tokenizer) -> tuple[list[Example], list[Example], str]:
+    """Training and validation examples, and the data's kind. Validation is the data's validation split
+    (--data_val_split) if it has one, else the records whose stable hash falls below --val_fraction."""
     if cfg.data_path is None:
-        raise UsageError("pass --data_path: a JSONL file of prompt/completion pairs or chat messages, or text")
+        raise UsageError("pass --data_path: a JSONL, JSON, parquet or CSV file or a folder of them, a save_to_disk "
+                         "folder, a Hub dataset id, or text")
     path = Path(cfg.data_path)
-    if not path.exists():
+    hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", cfg.data_path) and path.suffix not in (*DATASET_FILES, ".txt")
+    if not path.exists() and not hub_id:
         raise UsageError(f"--data_path {path}: no such file or folder")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
-        else [path]
-    jsonl = [f for f in files if f.suffix == ".jsonl"]
+    if cfg.data_config and path.exists() and (path.is_file() or is_saved_dataset(path) or is_plain_text(path)):
+        raise UsageError(f"--data_config names a configuration of a Hub dataset or of a folder of data files; "
+                         f"--data_path {path} has none")
+    val_examples = None
     try:
-        examples = [e for f in (jsonl or files) for e in
-                    (read_jsonl(f, tokenizer, cfg.max_length) if jsonl else read_text(f, tokenizer, cfg.max_length))]
+        if path.exists() and is_plain_text(path):
+            examples, kind = read_text(path, tokenizer, cfg.max_length), "text"
+        else:
+            splits = {"train": jsonl_rows(path)} if path.suffix == ".jsonl" and path.is_file() else \
+                {name: dataset_rows(split) for name, split in load_splits(cfg).items()}
+            val_split = cfg.data_val_split or ("validation" if cfg.data_split != "validation" else "")
+            for name in (cfg.data_split, cfg.data_val_split):
+                if name and name not in splits:
+                    raise UsageError(f"--data_path {path} has no split {name!r} (its splits: {', '.join(splits)})")
+            if cfg.data_val_split == cfg.data_split:
+                raise UsageError(f"--data_val_split {cfg.data_val_split!r} is the training split too")
+            source = {name: f"{path} ({name} split)" if len(splits) > 1 else str(path) for name in splits}
+            examples, kind = encode_rows(splits[cfg.data_split], tokenizer, cfg.max_length, source[cfg.data_split])
+            if val_split in splits:
+                val_examples = encode_rows(splits[val_split], tokenizer, cfg.max_length, source[val_split])[0]
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"--data_path {path}: cannot read it ({error})") from None
-    train_idx, val_idx = split_by_key([e.key for e in examples], cfg.val_fraction)
-    if not train_idx or not val_idx:
-        raise UsageError(f"--data_path {path}: {len(examples)} examples give {len(train_idx)} for training and "
-                         f"{len(val_idx)} for validation; both need some (more data, or another --val_fraction)")
-    kind = "chat" if jsonl and "messages" in json.loads(examples[0].key) else "completion" if jsonl else "text"
-    return [examples[i] for i in train_idx], [examples[i] for i in val_idx], kind
+    if val_examples is not None:
+        train_examples = examples
+    else:
+        train_idx, val_idx = split_by_key([e.key for e in examples], cfg.val_fraction)
+        train_examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
+    if not train_examples or not val_examples:
+        raise UsageError(f"--data_path {path}: {len(train_examples)} examples for training and {len(val_examples)} "
+                         "for validation; both need some (more data, or another --val_fraction)")
+    return train_examples, val_examples, kind
 
 
 class Examples(Dataset):

@@ -104,7 +104,7 @@ def test_chat_learns_only_assistant_messages_and_renders_like_the_template(token
     messages = [{"role": "system", "content": "You reverse words."}, {"role": "user", "content": "abc"},
                 {"role": "assistant", "content": "cba"}, {"role": "user", "content": "hg"},
                 {"role": "assistant", "content": "gh"}]
-    ids, labels = ft().encode_chat(tokenizer, messages)
+    [(ids, labels)] = ft().encode_chat(tokenizer, messages)  # a template that only appends: one example
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
     # each assistant turn with its end-of-turn; the role headers, system and user text stay context
     assert learned(tokenizer, ids, labels) == ["cba<|im_end|>\n", "gh<|im_end|>\n"]
@@ -310,7 +310,8 @@ BAD = {  # name: (options, data lines or None for the default task, the expected
     "not-a-causal-lm": (("--model", "{bert}"), None, "a 'distilbert' model is not a causal language model"),
     "line-not-json": ((), ['{"prompt": "a", "completion": " b"}', "{oops"], "data.jsonl line 2: not JSON"),
     "fields-missing": ((), ['{"question": "a", "answer": "b"}'],
-                       "data.jsonl line 1: needs 'prompt' and 'completion' strings, or a 'messages' list"),
+                       "data.jsonl line 1: needs 'prompt' and 'completion', 'messages' or 'text' (TRL's columns); "
+                       "it has 'question', 'answer'"),
     "empty-completion": ((), ['{"prompt": "a", "completion": "  "}'], "line 1: empty completion: nothing to learn"),
     "too-long": (("--max_length", "8"), None, "examples are longer than --max_length 8 (e.g. line 1 ("),
     "chat-without-template": (("--model", "{no_template}"), ['{"messages": [{"role": "user", "content": "a"}, '
