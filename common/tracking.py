@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -148,9 +149,19 @@ class Tracker:
         if self.run is None:
             return
         run_dir = Path(self.run.dir).parent
-        if requeue:
-            self.run.mark_preempting()
-        self.run.finish(exit_code=exit_code)
+        try:
+            if requeue:
+                self.run.mark_preempting()
+            self.run.finish(exit_code=exit_code)
+        except Exception as error:  # W&B's service process is gone: a SIGTERM to the process tree reaches it too
+            print(f"warning: W&B could not finish the run ({type(error).__name__}: {error}); what it recorded is in "
+                  f"{run_dir}", file=sys.stderr, flush=True)
+            try:
+                import wandb
+
+                wandb.teardown()  # drops W&B's exit hook, which would print the same failure as a traceback at exit
+            except Exception:
+                pass
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")

@@ -213,6 +213,39 @@ def test_real_wandb_without_credentials_runs_offline_and_keeps_the_key_out_of_fi
     assert leaks == []
 
 
+
+LOST_SERVICE = """
+import signal, sys, time
+import psutil
+from types import SimpleNamespace
+from common.tracking import Tracker
+main = SimpleNamespace(is_main_process=True)
+tracker = Tracker(main, sys.argv[1], kind="wandb", project="tests", config={})
+tracker.log({"loss": 0.5}, step=1)
+for child in psutil.Process().children(recursive=True):  # what a SIGTERM to the whole process tree does
+    child.send_signal(signal.SIGTERM)
+time.sleep(1)
+tracker.finish()
+print("stopped at step 1 by SIGTERM", flush=True)
+"""
+
+
+def test_a_wandb_service_killed_before_the_end_costs_the_run_neither_its_end_nor_its_last_line(
+    tmp_path, no_wandb_env, repo
+):
+    # `accelerate launch` passes a SIGTERM to the whole process tree: W&B's service may be gone when the run
+    # finishes. The run still ends normally, with one warning and its own line last, not W&B's traceback.
+    import subprocess
+
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "-c", LOST_SERVICE, str(tmp_path / "run")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "stopped at step 1 by SIGTERM"
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: W&B could not finish")]
+    assert len(warnings) == 1, done.stderr[-3000:]
+
 # --- credentials --------------------------------------------------------------------------------
 
 def write_netrc(path: Path, machine: str, mode: int = 0o600, password: str = "k" * 40) -> None:
