@@ -70,11 +70,13 @@ class TrainingState:
     best_metric: float | None = None
     best_step: int | None = None
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
-    # The training loss of the log interval in progress (sum over its micro-batches, and their count), so
-    # the first value logged after a resume is the one an uninterrupted run logs, whatever the intervals.
-    # The loop adds detached losses on the device (a tensor): the host reads it when it logs or saves.
+    # The training loss of the log interval in progress (sum over its micro-batches, and their count; or of
+    # its tokens, where the loss is a token-weighted mean), so the first value logged after a resume is the one
+    # an uninterrupted run logs, whatever the intervals. The loop adds detached losses on the device (a
+    # tensor): the host reads it when it logs or saves.
     interval_loss_sum: float | torch.Tensor = 0.0
     interval_batches: int = 0
+    interval_targets: float | torch.Tensor = 0.0  # target tokens (the fine-tuning template's token-weighted loss)
 
 
 class CheckpointManager:

@@ -1,5 +1,5 @@
 """Optimizer pieces every template uses: their options, weight-decay groups, LR scaling with world size,
-the fused AdamW choice, warmup + cosine."""
+the fused AdamW choice, warmup + cosine, and the token-weighted mean of a step's gradients."""
 
 from __future__ import annotations
 
@@ -53,6 +53,25 @@ def fused_adamw_on(accelerator) -> bool:
     except ImportError:  # a torch that moved it: the default (foreach) implementation, same results up to rounding
         return False
     return accelerator.scaler is None and accelerator.device.type in _get_fused_kernels_supported_devices()
+
+
+def average_over_targets(parameters: list[torch.nn.Parameter], step_sums: torch.Tensor, accelerator) -> torch.Tensor:
+    """Make the gradients of summed token losses the gradient of the mean over every target token of the step.
+
+    `step_sums` is this rank's [loss sum, target count] over the micro-batches of the step, each of which went
+    through `accelerator.backward(loss sum)`. accelerate divided each by the accumulation steps and DDP / FSDP
+    averaged over the ranks; multiplying back and dividing by all ranks' target count (one all-reduce, no host
+    sync) weighs every target token once, on whichever micro-batch and rank it is: accumulation 4 x batch 2,
+    batch 8, and 2 ranks x batch 4 take the same step on the same examples (a mean per micro-batch would not:
+    transformers' PR 34191). Call it once the step's last backward is done, before clipping. Returns the sums
+    of every rank (the same on all), for the logged loss.
+    """
+    step_sums = accelerator.reduce(step_sums, reduction="sum")
+    scale = (accelerator.gradient_accumulation_steps * accelerator.num_processes) / step_sums[1].clamp_min(1)
+    for param in parameters:  # one at a time: FSDP2's gradients are DTensors, which take a 0-d tensor factor
+        if param.grad is not None:
+            param.grad.mul_(scale)
+    return step_sums
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -11,9 +11,10 @@ Data (`--data_path`): a JSONL, JSON, parquet or CSV file, a folder of them, a `s
 dataset id, in TRL's columns (`prompt`/`completion`, chat `messages` rendered by the tokenizer's chat template,
 or `text`), or plain text (a .txt file or a folder of them); the data's `validation` split if it has one. The
 loss counts only completion / assistant tokens, each assistant turn in the context the model writes it in
-(`text`: every token). Batches are padded per batch (no packing). Under FSDP rank 0
-alone reads the weights; every rank builds the model on the meta device, shards it and receives its shard
-by broadcast, so a machine holds one full copy while loading. Copy this file plus `common/` into your project.
+(`text`: every token), every target token of a step weighing the same whatever its micro-batch and rank.
+Batches are padded per batch (no packing). Under FSDP rank 0 alone reads the weights; every rank builds the
+model on the meta device, shards it and receives its shard by broadcast, so a machine holds one full copy while
+loading. Copy this file plus `common/` into your project.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_exp
 from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
-                          weight_decay_groups)
+from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
+                          warmup_cosine, weight_decay_groups)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 hand_back(THEIRS, imported=__name__ != "__main__")
@@ -642,6 +643,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
+    trained = [p for p in model.parameters() if p.requires_grad]
+    step_sums = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and target count in this step
     model.train()
     throughput.restart()
     while state.step < cfg.max_steps and not stopping:
@@ -653,37 +656,43 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             with accelerator.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 labels = batch["labels"]
-                # mean over this micro-batch's completion tokens (F.cross_entropy ignores IGNORE labels)
+                # Summed over this micro-batch's completion tokens (F.cross_entropy ignores IGNORE labels); the
+                # step's gradient becomes the mean over all its target tokens once the last backward is done.
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                       ignore_index=IGNORE)
+                                       ignore_index=IGNORE, reduction="sum")
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:  # unscales fp16 gradients before clipping
-                    grad_norm = accelerator.clip_grad_norm_(
-                        [p for p in model.parameters() if p.requires_grad], cfg.grad_clip or math.inf)
+                step_sums += torch.stack([loss.detach(), (labels[:, 1:] != IGNORE).sum().float()])  # no graph kept
+                if accelerator.sync_gradients:
+                    # Every target token of the step weighs the same, on whichever micro-batch and rank it is
+                    step_sums = average_over_targets(trained, step_sums, accelerator)
+                    grad_norm = accelerator.clip_grad_norm_(trained, cfg.grad_clip or math.inf)  # unscales fp16
                     # One host sync per step: finite gradients? any rank's stop signal or failed checkpoint write?
                     if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:
-                        raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss {loss.item()}); "
-                                             f"{ckpt.kept()}")
+                        raise NonFiniteError(f"non-finite gradients at step {state.step + 1} (loss "
+                                             f"{(step_sums[0] / step_sums[1]).item()}); {ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
             state.batches_in_epoch += 1
             if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-            state.interval_loss_sum += loss.detach()  # no graph kept; on the device, read when logged
-            state.interval_batches += 1
             if not accelerator.sync_gradients:
                 continue
+            # every rank's loss and target count (the same on all ranks), on the device, read when logged
+            state.interval_loss_sum += step_sums[0]
+            state.interval_targets += step_sums[1]
+            step_sums = torch.zeros(2, device=accelerator.device)
             scheduler.step()
             state.step += 1
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                logged = {"train/loss": float(state.interval_loss_sum) / state.interval_batches, **throughput.read(),
+                logged = {"train/loss": float(state.interval_loss_sum) / float(state.interval_targets),
+                          **throughput.read(),
                           "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps}
                 tracker.log(logged, step=state.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}",
                                 data_wait=f"{logged['time/data_wait']:.0%}")
-                state.interval_loss_sum, state.interval_batches = 0.0, 0
+                state.interval_loss_sum, state.interval_targets = 0.0, 0.0
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
                 throughput.restart()  # throughput counts training only

@@ -219,6 +219,43 @@ def test_a_higher_max_steps_extends_a_finished_run(runs, tiny_model, tmp_path):
     assert json.loads((out / "status.json").read_text())["step"] == 66
 
 
+def test_every_target_token_weighs_the_same_across_micro_batches_and_ranks(tiny_model, tmp_path):
+    """One optimizer step on the same 8 examples, whose completions are 1 to 12 words long: batch 8, accumulation
+    4 x batch 2, and 2 DDP ranks x batch 4 log the same token-weighted train/loss and take the same step. A loss
+    averaged per micro-batch (or per rank) would weigh a 2-token completion like a 40-token one."""
+    import random
+
+    from safetensors.torch import load_file
+
+    rng = random.Random(1)
+    records = [{"prompt": f"reverse {r['prompt'].split()[1]} =", "completion": r["completion"] * rng.randint(1, 12)}
+               for r in reverse_task(80)]
+    data = write_jsonl(tmp_path / "mixed.jsonl", records)
+    arms = {"batch 8": ("cpu.yaml", None, ("--batch_size", "8")),
+            "accumulation 4 x batch 2": ("cpu.yaml", None, ("--batch_size", "2", "--gradient_accumulation_steps", "4")),
+            "2 ranks x batch 4": ("cpu_ddp.yaml", 2, ("--batch_size", "4"))}
+
+    def run(arm):
+        config, processes, args = arms[arm]
+        out = tmp_path / arm.replace(" ", "_")
+        result = launch(config, TEMPLATE, "--model", str(tiny_model), "--data_path", str(data), "--output_dir",
+                        str(out), "--max_steps", "1", "--warmup_steps", "0", "--learning_rate", "1e-3",
+                        "--grad_clip", "0", "--log_every_steps", "1", "--eval_every_steps", "0", "--sample_tokens",
+                        "0", "--tracker", "none", *args, num_processes=processes, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        loss = [r["train/loss"] for r in finished({"result": result, "out": out}) if "train/loss" in r]
+        return loss, load_file(out / "model" / "model.safetensors")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(arms, pool.map(run, arms)))
+    (reference_loss, reference), others = results["batch 8"], [a for a in arms if a != "batch 8"]
+    for arm in others:
+        loss, weights = results[arm]
+        assert math.isclose(loss[0], reference_loss[0], rel_tol=1e-5), (arm, loss, reference_loss)
+        difference = max((weights[name] - reference[name]).abs().max().item() for name in reference)
+        assert difference < 1e-6, (arm, difference)  # AdamW's first step moves a weight by about the lr: 1e-3
+
+
 @pytest.mark.parametrize("name", ["single-full", "single-lora-merged-chat", "ddp-full", "fsdp-full"])
 def test_masked_validation_loss_falls_well_below_the_pretrained_models(runs, name):
     logged = [r for r in finished(runs[name]) if "val/loss" in r]
