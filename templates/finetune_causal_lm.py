@@ -643,7 +643,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
-    trained = [p for p in model.parameters() if p.requires_grad]
     step_sums = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and target count in this step
     model.train()
     throughput.restart()
@@ -664,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 step_sums += torch.stack([loss.detach(), (labels[:, 1:] != IGNORE).sum().float()])  # no graph kept
                 if accelerator.sync_gradients:
                     # Every target token of the step weighs the same, on whichever micro-batch and rank it is
+                    trained = [p for p in model.parameters() if p.requires_grad]  # FSDP2 swaps them: asked here
                     step_sums = average_over_targets(trained, step_sums, accelerator)
                     grad_norm = accelerator.clip_grad_norm_(trained, cfg.grad_clip or math.inf)  # unscales fp16
                     # One host sync per step: finite gradients? any rank's stop signal or failed checkpoint write?

@@ -221,8 +221,9 @@ def test_a_higher_max_steps_extends_a_finished_run(runs, tiny_model, tmp_path):
 
 def test_every_target_token_weighs_the_same_across_micro_batches_and_ranks(tiny_model, tmp_path):
     """One optimizer step on the same 8 examples, whose completions are 1 to 12 words long: batch 8, accumulation
-    4 x batch 2, and 2 DDP ranks x batch 4 log the same token-weighted train/loss and take the same step. A loss
-    averaged per micro-batch (or per rank) would weigh a 2-token completion like a 40-token one."""
+    4 x batch 2, 2 DDP ranks x batch 4 and 2 FSDP ranks x batch 2 x accumulation 2 log the same token-weighted
+    train/loss and take the same step. A loss averaged per micro-batch (or per rank) would weigh a 2-token
+    completion like a 40-token one."""
     import random
 
     from safetensors.torch import load_file
@@ -233,15 +234,19 @@ def test_every_target_token_weighs_the_same_across_micro_batches_and_ranks(tiny_
     data = write_jsonl(tmp_path / "mixed.jsonl", records)
     arms = {"batch 8": ("cpu.yaml", None, ("--batch_size", "8")),
             "accumulation 4 x batch 2": ("cpu.yaml", None, ("--batch_size", "2", "--gradient_accumulation_steps", "4")),
-            "2 ranks x batch 4": ("cpu_ddp.yaml", 2, ("--batch_size", "4"))}
+            "2 DDP ranks x batch 4": ("cpu_ddp.yaml", 2, ("--batch_size", "4")),
+            "2 FSDP ranks x batch 2 x accumulation 2": ("fsdp.yaml", 2, ("--batch_size", "2",
+                                                                        "--gradient_accumulation_steps", "2"))}
 
     def run(arm):
         config, processes, args = arms[arm]
         out = tmp_path / arm.replace(" ", "_")
+        launcher = ("--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer") if config == "fsdp.yaml" else ()
         result = launch(config, TEMPLATE, "--model", str(tiny_model), "--data_path", str(data), "--output_dir",
                         str(out), "--max_steps", "1", "--warmup_steps", "0", "--learning_rate", "1e-3",
                         "--grad_clip", "0", "--log_every_steps", "1", "--eval_every_steps", "0", "--sample_tokens",
-                        "0", "--tracker", "none", *args, num_processes=processes, timeout=300)
+                        "0", "--tracker", "none", *args, num_processes=processes, launcher_args=launcher,
+                        timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         loss = [r["train/loss"] for r in finished({"result": result, "out": out}) if "train/loss" in r]
         return loss, load_file(out / "model" / "model.safetensors")
