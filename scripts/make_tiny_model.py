@@ -102,7 +102,12 @@ def make_tiny_model(folder: str | Path, *, hidden_size: int = 64, layers: int = 
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
+    # Sampling defaults and an extra stop id, as a real chat model's generation_config.json has: an export must
+    # keep them (a config rebuilt from the model's config would not)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
+    model.generation_config._from_model_config = False  # its own file, as a released model's
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder

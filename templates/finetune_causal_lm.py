@@ -538,6 +538,16 @@ def generate(model, prompt_ids: list[int], new_tokens: int, eos_id: int, device)
     return out[: out.index(eos_id)] if eos_id in out else out
 
 
+def base_generation_config(name: str):
+    """The base model's generation_config.json (a Hub id from the local cache), or None if it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(name)
+    except OSError:
+        return None
+
+
 def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Path:
     """save_pretrained (safetensors) + tokenizer, loadable without accelerate; under FSDP gathered on the main process.
     LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written atomically."""
@@ -570,6 +580,10 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
                 saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
                 saved["use_cache"] = True
                 config_file.write_text(json.dumps(saved, indent=2) + "\n")
+            generation = base_generation_config(cfg.model)
+            if generation is not None:  # the base's sampling defaults and stop ids: a merged or FSDP model was
+                generation.use_cache = True  # rebuilt from its config; gradient checkpointing turned the cache off
+                generation.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)

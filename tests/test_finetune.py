@@ -299,6 +299,19 @@ def test_export_loads_with_from_pretrained_in_a_plain_process_with_the_same_logi
     assert difference < 1e-4, difference
 
 
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_export_keeps_the_base_models_generation_config_with_the_cache_on(runs, tiny_model, name):
+    """Full, merged LoRA, LoRA adapter, DDP and FSDP exports: the base's sampling defaults and extra stop ids
+    (the tiny model has both), and the KV cache on, whatever training did (gradient checkpointing turns it off)."""
+    from transformers import GenerationConfig
+
+    finished(runs[name])
+    base = GenerationConfig.from_pretrained(tiny_model).to_diff_dict()
+    assert base["do_sample"] is True and len(base["eos_token_id"]) == 2
+    exported = GenerationConfig.from_pretrained(runs[name]["out"] / "model").to_diff_dict()
+    assert exported == base | {"use_cache": True}, (exported, base)
+
+
 @pytest.mark.parametrize("name", ["single-lora-merged-chat", "ddp-lora"])
 def test_lora_checkpoints_hold_the_adapter_and_its_optimizer_state_only(runs, name):
     logged = [r for r in finished(runs[name]) if "val/loss" in r]
