@@ -12,9 +12,9 @@ dataset id, in TRL's columns (`prompt`/`completion`, chat `messages` rendered by
 or `text`), or plain text (a .txt file or a folder of them); the data's `validation` split if it has one. The
 loss counts only completion / assistant tokens, each assistant turn in the context the model writes it in
 (`text`: every token), every target token of a step weighing the same whatever its micro-batch and rank.
-Batches are padded per batch (no packing). Under FSDP rank 0 alone reads the weights; every rank builds the
-model on the meta device, shards it and receives its shard by broadcast, so a machine holds one full copy while
-loading. Copy this file plus `common/` into your project.
+Batches are padded per batch, or with --packing hold whole examples packed into rows. Under FSDP rank 0 alone
+reads the weights; every rank builds the model on the meta device, shards it and receives its shard by
+broadcast, so a machine holds one full copy while loading. Copy this file plus `common/` into your project.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
                           warmup_cosine, weight_decay_groups)
+from common.packing import PackedCollate, PackedExamples, unpackable  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 hand_back(THEIRS, imported=__name__ != "__main__")
@@ -77,7 +78,9 @@ class Config(OptimOptions, RunOptions):
     max_steps: int = option(200, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
     eval_every_steps: int = option(50, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
                                    "[0, inf)")
-    batch_size: int = option(8, "Examples per process, per micro-batch.", "[1, inf)")
+    batch_size: int = option(8, "Examples per process, per micro-batch (with --packing: rows).", "[1, inf)")
+    packing: bool = option(False, "Pack training examples into rows of up to --max_length tokens: no compute on "
+                                  "padding, no attention across examples (SDPA, eager, flex, flash attention).")
     learning_rate: float = option(2e-5, "Peak LR for one process (full: ~2e-5; LoRA: ~2e-4).", "(0, inf)")
     weight_decay: float = option(0.0, "AdamW weight decay (matrices only).", "[0, inf)")
     warmup_steps: int = option(10, "Linear warmup before the cosine decay.", "[0, inf)")
@@ -357,7 +360,16 @@ class PadToLongest:
         pad = [longest - len(ids) for ids, _ in batch]
         return {"input_ids": torch.tensor([ids + [self.pad_id] * p for (ids, _), p in zip(batch, pad)]),
                 "attention_mask": torch.tensor([[1] * len(ids) + [0] * p for (ids, _), p in zip(batch, pad)]),
-                "labels": torch.tensor([labels + [IGNORE] * p for (_, labels), p in zip(batch, pad)])}
+                "labels": torch.tensor([labels + [IGNORE] * p for (_, labels), p in zip(batch, pad)]),
+                "tokens": torch.tensor(sum(len(ids) for ids, _ in batch))}  # not padding: for the throughput
+
+
+def forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of a padded batch (attention mask) or a packed one (position ids restarting at each example, no
+    mask: transformers then keeps the examples apart). No KV cache: training needs none, and building one
+    would switch that separation off."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                 position_ids=batch.get("position_ids"), use_cache=False).logits
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -514,8 +526,7 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     model.eval()
     total, tokens = 0.0, 0
     for batch in loader:
-        losses = token_losses(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                              batch["labels"])
+        losses = token_losses(forward(model, batch), batch["labels"])
         # Per-example sums and counts: gather_for_metrics drops the examples DDP padding repeated.
         sums, counts = accelerator.gather_for_metrics(
             (losses.double().sum(1), (batch["labels"][:, 1:] != IGNORE).sum(1)))
@@ -603,10 +614,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # Everything the user passed is checked before anything is written: model, tokenizer, data, LoRA targets.
     tokenizer, model_config = load_tokenizer_and_config(cfg.model)
+    if cfg.packing and (why := unpackable(model_config)):
+        raise UsageError(f"--packing: {cfg.model} cannot be trained on packed rows: {why}")
     train_examples, val_examples, kind = load_examples(cfg, tokenizer)
+    if cfg.packing:  # whole examples in rows of up to --max_length tokens; validation one example a row
+        pairs = {name: [(e.input_ids, e.labels) for e in examples] for name, examples in
+                 (("train", train_examples), ("val", val_examples))}
+        train_set, val_set = PackedExamples(pairs["train"], cfg.max_length), PackedExamples(pairs["val"])
+        collate, what = PackedCollate(tokenizer.pad_token_id), "packed rows"
+        accelerator.print(f"packed {len(train_examples)} training examples into {len(train_set)} rows of up to "
+                          f"{cfg.max_length} tokens ({train_set.filled(cfg.max_length):.0%} filled)")
+    else:
+        train_set, val_set = Examples(train_examples), Examples(val_examples)
+        collate, what = PadToLongest(tokenizer.pad_token_id), "training examples"
     train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
-        accelerator, Examples(train_examples), Examples(val_examples), batch_size=cfg.batch_size, seed=cfg.seed,
-        num_workers=cfg.num_workers, what="training examples", collate_fn=PadToLongest(tokenizer.pad_token_id))
+        accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers,
+        what=what, collate_fn=collate)
     model = load_model(cfg, accelerator, model_config)
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_params = sum(p.numel() for p in model.parameters())
@@ -652,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                                if tracker.metrics_path.is_file() else ""):
             tracker.log(at_start, step=0)
     # Speed (non-padding tokens, counted on the device), data wait and step time, in each log line
-    throughput = Throughput(accelerator, "tokens", lambda batch: batch["attention_mask"].sum(), cfg.num_workers)
+    throughput = Throughput(accelerator, "tokens", lambda batch: batch["tokens"], cfg.num_workers)
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
     session_steps = 0
     metrics: dict[str, float] = {}
@@ -667,7 +690,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for batch in throughput.timed(batches):
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
             with accelerator.accumulate(model):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = forward(model, batch)  # padded: with an attention mask; packed: with position ids
                 labels = batch["labels"]
                 # Summed over this micro-batch's completion tokens (F.cross_entropy ignores IGNORE labels); the
                 # step's gradient becomes the mean over all its target tokens once the last backward is done.
