@@ -52,8 +52,7 @@ def test_common_holds_at_most_nine_small_modules():
 # `preemption.check_step(grad_norm, ckpt)`, `@with_exit_codes(release=release_process_group)`.
 LAYERS = (
     ("errors",),  # errors and exit codes, status.json: the search tools import it too, without torch
-    ("config", "pickle_allowlist", "background_save", "packing"),  # options; what a checkpoint may unpickle;
-    # save_state's mirror; packed rows
+    ("config", "pickle_allowlist", "background_save"),  # options; what a checkpoint may unpickle; save_state's mirror
     ("data", "optim", "tracking"),
     ("checkpoint",),  # the checkpoint policy: when to save, what to keep, what a resume refuses
     ("accelerator",),  # the run: Accelerator, stop signals, start and end

@@ -1,6 +1,6 @@
-"""common/packing.py and the fine-tuning template's --packing: rows packed best fit decreasing, each packed example
-giving its unpacked logits and masked loss (SDPA and eager), a packed run resuming bit-exactly, and the models
-whose attention would mix examples refused in one line."""
+"""The fine-tuning template's --packing (packed rows: common/data.py): rows packed best fit decreasing, each packed
+example giving its unpacked logits and masked loss (SDPA and eager), a packed run resuming bit-exactly, and the
+models whose attention would mix examples refused in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.packing import IGNORE, PackedCollate, PackedExamples, pack, unpackable
+from common.data import IGNORE, PackedCollate, PackedExamples, pack, unpackable
 from conftest import load_template, start_clean_accelerate
 from test_finetune import reverse_task, write_jsonl
 
