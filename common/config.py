@@ -13,6 +13,9 @@ Precedence: dataclass defaults < `--config` files (in the order given) < other o
 
 Every number has a range, and strings with fixed values their choices (`option(default, help, range)`);
 `check_ranges` (in `RunOptions.__post_init__`) refuses anything else, and `--help` shows each one.
+Code below the config trusts these ranges and does not check them again.
+An option that a resume may change (how a session runs or is watched, not what it trains) says so where it
+is declared, `option(..., may_change=True)`; the checkpoint manager reads `may_change_on_resume(Config)`.
 """
 
 from __future__ import annotations
