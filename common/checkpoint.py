@@ -43,7 +43,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from common.config import config_to_dict
+from common.config import RunOptions, config_to_dict, may_change_on_resume
 from common.background_save import BackgroundSave, HostCopy, Snapshot, cannot_mirror, snapshot_state
 from common.errors import SaveError, UsageError, is_rank_lost, one_line
 from common.pickle_allowlist import check_pickles
@@ -51,13 +51,6 @@ from common.pickle_allowlist import check_pickles
 PROGRESS_FILE = "progress.json"
 RUN_FILE = "run.json"
 _NAME = re.compile(r"^(step|best_step)_(\d{8})$")
-# Options that may differ between a run and its resume: where and how long this session runs, how it
-# reports and how often it saves. They change nothing about what is trained. Any other difference
-# means another run, and a resume refuses it. Templates add their own (e.g. the end-of-run sample).
-MAY_CHANGE_ON_RESUME = frozenset({
-    "resume", "output_dir", "stop_after_steps", "num_workers", "timeout_s", "tracker", "wandb_project",
-    "log_every_steps", "checkpoint_every_steps", "keep_last", "checkpoint_background",
-})
 
 
 @dataclass
@@ -98,17 +91,13 @@ class CheckpointManager:
         keep_last: int = 3,
         every_steps: int = 0,
         seed: int = 0,
-        may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
+        may_change: frozenset[str] | set[str] = may_change_on_resume(RunOptions),
         model_info: dict | None = None,
         background: bool = False,
         timeout_s: float = 600.0,
         length: str | None = None,
         total_steps: int | None = None,
     ):
-        if mode not in ("max", "min"):
-            raise UsageError(f"checkpoint metric mode must be 'max' or 'min', got {mode!r}")
-        if keep_last < 1:
-            raise UsageError(f"keep_last must be at least 1, got {keep_last}")
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.dir = self.output_dir / "checkpoints"
@@ -117,7 +106,7 @@ class CheckpointManager:
         self.metric = metric
         self.mode = mode
         self.keep_last = keep_last
-        self.may_change = frozenset(may_change)
+        self.may_change = frozenset(may_change)  # the config entries a resume may change (`_check_settings`)
         self.every_steps = every_steps
         self.seed = seed
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
@@ -137,14 +126,15 @@ class CheckpointManager:
 
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, *, template: str, metric: str, mode: str,
-                may_change: frozenset[str] | set[str] = MAY_CHANGE_ON_RESUME,
                 model_info: dict | None = None, length: str | None = None,
                 total_steps: int | None = None) -> CheckpointManager:
-        """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`)."""
+        """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`);
+        a resume may change the options its `Config` declares `may_change=True`."""
         return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg), metric=metric,
                    mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
-                   may_change=may_change, model_info=model_info, background=cfg.checkpoint_background,
-                   timeout_s=cfg.timeout_s, length=length, total_steps=total_steps)
+                   may_change=may_change_on_resume(type(cfg)), model_info=model_info,
+                   background=cfg.checkpoint_background, timeout_s=cfg.timeout_s, length=length,
+                   total_steps=total_steps)
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
@@ -299,18 +289,6 @@ class CheckpointManager:
             return True
         return value > state.best_metric if self.mode == "max" else value < state.best_metric
 
-    def save_best(self, state: TrainingState, value: float) -> bool:
-        """If `value` beats the best so far, record it in `state` and save the best checkpoint."""
-        if not self.is_better(value, state):
-            return False
-        state.best_metric, state.best_step = float(value), state.step
-        self._checkpoint(state, [f"best_step_{state.step:08d}"])
-        return True
-
-    def best_checkpoint(self) -> Path | None:
-        best = [p for p in self.complete_checkpoints() if p.name.startswith("best_step_")]
-        return best[-1] if best else None
-
     def kept(self) -> str:
         """For an error message: the newest complete checkpoint (a resume starts there), or that there is none."""
         self._finish_pending(raise_error=False)  # a save in flight first: the message names what a resume finds
@@ -430,12 +408,6 @@ class CheckpointManager:
         """Refuse a checkpoint of a run with other settings: resuming it would continue another run
         under this run's name (a sweep trial reporting a previous trial's result as its own)."""
         saved = meta.get("config")
-        run_file = path.parent.parent / RUN_FILE
-        if saved is None and run_file.is_file():  # written before checkpoints recorded their settings
-            try:
-                saved = json.loads(run_file.read_text()).get("config")
-            except (OSError, ValueError, AttributeError):
-                saved = None
         if not isinstance(saved, dict):
             return
         now = json.loads(json.dumps(self.config))  # as it would read back from JSON: lists, floats

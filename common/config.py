@@ -13,6 +13,9 @@ Precedence: dataclass defaults < `--config` files (in the order given) < other o
 
 Every number has a range, and strings with fixed values their choices (`option(default, help, range)`);
 `check_ranges` (in `RunOptions.__post_init__`) refuses anything else, and `--help` shows each one.
+Code below the config trusts these ranges and does not check them again.
+An option that a resume may change (how a session runs or is watched, not what it trains) says so where it
+is declared, `option(..., may_change=True)`; the checkpoint manager reads `may_change_on_resume(Config)`.
 """
 
 from __future__ import annotations
@@ -49,21 +52,36 @@ TRACKERS = ("wandb", "none")
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 
 
-def option(default: Any, help: str, range: str | tuple | None = None) -> Any:
-    """A config field: its default, its one-line help, and the values it may take.
+def option(default: Any, help: str, range: str | tuple | None = None, *, may_change: bool | None = None) -> Any:
+    """A config field: its default, its one-line help, the values it may take, and whether a resume may change it.
 
     `range`: an interval for numbers (`"[1, 1024]"` includes both ends, `"(0, 1)"` neither, `inf` means no
     bound), or a tuple of the choices for a string. Every int and float option needs one.
+    `may_change=True`: the option changes how a session runs or is watched, not what is trained, so a run may
+    resume with another value (see `may_change_on_resume`). A field declared again (for its own default) keeps
+    the policy of the declaration it replaces unless it says otherwise.
     """
-    metadata = {"help": help} | ({"range": range} if range is not None else {})
+    metadata = ({"help": help} | ({"range": range} if range is not None else {})
+                | ({"may_change": may_change} if may_change is not None else {}))
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def option_range(config_cls: type, name: str) -> str | tuple | None:
-    """The range (or choices) declared for option `name` of `config_cls`, or None."""
-    return next((f.metadata.get("range") for f in dataclasses.fields(config_cls) if f.name == name), None)
+def may_change_on_resume(config_cls: type) -> frozenset[str]:
+    """The options of `config_cls` a resume may change (declared `option(..., may_change=True)`).
+
+    Any other difference from the checkpoint's settings means another run, and the resume refuses it. A field
+    declared again without `may_change` takes the policy of the nearest class before it that declares one.
+    """
+    allowed = set()
+    for f in dataclasses.fields(config_cls):
+        declared = (vars(cls).get("__dataclass_fields__", {}).get(f.name) for cls in config_cls.__mro__)
+        policy = next((d.metadata["may_change"] for d in declared if d is not None and "may_change" in d.metadata),
+                      False)
+        if policy:
+            allowed.add(f.name)
+    return frozenset(allowed)
 
 
 @dataclasses.dataclass
@@ -71,23 +89,28 @@ class RunOptions:
     """The options every template shares: where a run writes, how it resumes, saves, logs and waits.
 
     A template's `Config` extends it (and may give `output_dir`, `wandb_project` or `log_every_steps`
-    its own default by declaring the field again).
+    its own default by declaring the field again). Those marked `may_change=True` say where and how long
+    a session runs, how it reports and how often it saves: they change nothing about what is trained,
+    so a resume may change them.
     """
 
-    output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.")
+    output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.",
+                             may_change=True)
     seed: int = option(0, "Seeds init, data order and every random draw of training.", "[0, 2147483647]")
-    resume: str = option("auto", "auto (newest checkpoint in output_dir), none, or a checkpoint path.")
+    resume: str = option("auto", "auto (newest checkpoint in output_dir), none, or a checkpoint path.",
+                         may_change=True)
     checkpoint_every_steps: int = option(0, "Also checkpoint every N optimizer steps (0: at evaluations only).",
-                                         "[0, inf)")
-    keep_last: int = option(3, "Periodic checkpoints to keep (the best is kept apart).", "[1, inf)")
+                                         "[0, inf)", may_change=True)
+    keep_last: int = option(3, "Periodic checkpoints to keep (the best is kept apart).", "[1, inf)", may_change=True)
     checkpoint_background: bool = option(True, "Write checkpoints in a background thread while training goes on "
-                                         "(false: training waits for each save).")
+                                         "(false: training waits for each save).", may_change=True)
     stop_after_steps: int = option(0, "End this session after N optimizer steps with a checkpoint (0: never).",
-                                   "[0, inf)")
-    log_every_steps: int = option(10, "Log the training loss every N optimizer steps.", "[1, inf)")
-    tracker: str = option("wandb", "wandb (offline without credentials) or none.", TRACKERS)
-    wandb_project: str = option("training-template", "W&B project name.")
-    timeout_s: int = option(600, "Seconds a rank waits for the others before the job fails.", "[1, 604800]")
+                                   "[0, inf)", may_change=True)
+    log_every_steps: int = option(10, "Log the training loss every N optimizer steps.", "[1, inf)", may_change=True)
+    tracker: str = option("wandb", "wandb (offline without credentials) or none.", TRACKERS, may_change=True)
+    wandb_project: str = option("training-template", "W&B project name.", may_change=True)
+    timeout_s: int = option(600, "Seconds a rank waits for the others before the job fails.", "[1, 604800]",
+                            may_change=True)
     mixed_precision: str = option("auto", "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16.",
                                   MIXED_PRECISION_CHOICES)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from common.config import TRACKERS
 from common.errors import UsageError
 
 METRICS_FILE = "metrics.jsonl"
@@ -72,8 +71,6 @@ class Tracker:
         config: dict,
         resume_step: int = 0,
     ):
-        if kind not in TRACKERS:
-            raise UsageError(f"tracker must be one of {', '.join(TRACKERS)}, got {kind!r}")
         self.enabled = accelerator.is_main_process
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / METRICS_FILE

@@ -63,6 +63,8 @@ ONCE = DR + "test_logging_and_printing_happen_once[{}]"
 COUNTED = DR + "test_evaluation_counts_every_validation_sample_once[{}]"
 LR_SCALED = DR + "test_learning_rate_is_scaled_with_the_world_size_as_asked[{}]"
 KILLS = TC + "test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_complete_checkpoints"
+OTHER_SETTINGS = ("tests/test_resume_policy.py::"
+                  "test_every_option_refuses_a_resume_with_another_value_unless_it_may_change[{}]")
 image, lm = "image_classification", "language_model"
 
 TRAIN_STEP = ("            optimizer.zero_grad(set_to_none=True)"
@@ -236,6 +238,16 @@ MUTATIONS = [
     mutation("status-step-not-moved-by-checkpoints", "status.json: a running run's step is its last checkpoint",
              CHECKPOINT, '                self.on_published(meta["step"])\n', "                pass\n",
              tests=TC + "test_status_step_is_the_last_complete_checkpoint_while_running"),
+    mutation("learning-rate-may-change-on-resume", "checkpoints: a run resumes only itself", LM,
+             '"Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)")',
+             '"Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)", may_change=True)',
+             tests=OTHER_SETTINGS.format(lm)),
+    mutation("template-resume-policy-ignored", "checkpoints: a run resumes only itself", CHECKPOINT,
+             "may_change=may_change_on_resume(type(cfg))", "may_change=may_change_on_resume(RunOptions)",
+             tests=OTHER_SETTINGS.format(lm)),
+    mutation("other-settings-not-refused", "checkpoints: a run resumes only itself", CHECKPOINT,
+             "        if not differ:\n            return\n", "        return\n",
+             tests=OTHER_SETTINGS.format(image)),
     # --- distributed
     mutation("gather-instead-of-gather-for-metrics", "distributed: gather_for_metrics", IMAGE,
              "accelerator.gather_for_metrics((losses, logits.argmax(-1), labels))",

@@ -44,7 +44,7 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
 
 from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import MAY_CHANGE_ON_RESUME, CheckpointManager, check_export  # noqa: E402
+from common.checkpoint import CheckpointManager, check_export  # noqa: E402
 from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
@@ -77,7 +77,7 @@ class Config(OptimOptions, RunOptions):
                              "[2, inf)")
     max_steps: int = option(200, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
     eval_every_steps: int = option(50, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
-                                   "[0, inf)")
+                                   "[0, inf)", may_change=True)
     batch_size: int = option(8, "Examples per process, per micro-batch (with --packing: rows).", "[1, inf)")
     packing: bool = option(False, "Pack training examples into rows of up to --max_length tokens: no compute on "
                                   "padding, no attention across examples (SDPA, eager, flex, flash attention).")
@@ -88,13 +88,17 @@ class Config(OptimOptions, RunOptions):
     lora_alpha: float = option(16.0, "LoRA scale numerator (the update is scaled by alpha / r).", "(0, inf)")
     lora_dropout: float = option(0.05, "Dropout on the LoRA branch.", "[0, 1)")
     lora_target_modules: list[str] = option(["all-linear"], "Module names LoRA adapts, e.g. [q_proj, v_proj].")
-    merge_lora: bool = option(False, "Export the model with the adapter merged in, instead of the adapter alone.")
-    gradient_checkpointing: bool = option(False, "Recompute each layer's activations in backward: less memory.")
-    compile: bool = option(False, "torch.compile each decoder layer.")
+    merge_lora: bool = option(False, "Export the model with the adapter merged in, instead of the adapter alone.",
+                              may_change=True)
+    gradient_checkpointing: bool = option(False, "Recompute each layer's activations in backward: less memory.",
+                                          may_change=True)
+    compile: bool = option(False, "torch.compile each decoder layer.", may_change=True)
     prompt: str = option("", "Prompt of the sample at the end (chat data: the user message); default: a "
-                             "validation example's.")
-    sample_tokens: int = option(32, "Tokens to generate (greedy) at the end (0: no sample).", "[0, inf)")
-    num_workers: int = option(0, "Loader workers per process (tokenized data is in memory: 0 is fine).", "[0, 128]")
+                             "validation example's.", may_change=True)
+    sample_tokens: int = option(32, "Tokens to generate (greedy) at the end (0: no sample).", "[0, inf)",
+                                may_change=True)
+    num_workers: int = option(0, "Loader workers per process (tokenized data is in memory: 0 is fine).", "[0, 128]",
+                              may_change=True)
     output_dir: str = option("runs/finetune_causal_lm", "Checkpoints, metrics, status.json and the export go here.")
     wandb_project: str = option("finetune-causal-lm-template", "W&B project name.")
 
@@ -643,8 +647,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
         accelerator, cfg, template="finetune_causal_lm", metric="val/loss", mode="min",
-        may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "compile",
-                                           "gradient_checkpointing", "merge_lora"},
         model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
         length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
     )

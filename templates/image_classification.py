@@ -63,7 +63,7 @@ class Config(OptimOptions, RunOptions):
     init_from: str | None = option(None, "A finished run (folder or model.safetensors) to start from (same model).")
     augment: bool = option(True, "Random shifts, scales and rotations of training images.")
     hflip: bool = option(False, "Also flip training images left-right (not for digits).")
-    num_workers: int = option(-1, "Loader workers per process; -1 picks for the data.", "[-1, 128]")
+    num_workers: int = option(-1, "Loader workers per process; -1 picks for the data.", "[-1, 128]", may_change=True)
     output_dir: str = option("runs/image_classification", "Checkpoints, metrics, status.json and the export go here.")
     wandb_project: str = option("image-classification-template", "W&B project name.")
 

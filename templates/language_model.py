@@ -37,7 +37,6 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
 from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
 from common.checkpoint import (  # noqa: E402
-    MAY_CHANGE_ON_RESUME,
     CheckpointManager,
     export_weights,
     exported_model,
@@ -64,7 +63,7 @@ class Config(OptimOptions, RunOptions):
     vocab_size: int = option(0, "Token files: 0 finds the largest id (+1, rounded up to 64s). Text: 256.", "[0, 65536]")
     max_steps: int = option(1000, "Optimizer steps to train for.", "[1, 99999999]")  # checkpoint names: 8 digits
     eval_every_steps: int = option(200, "Validate (and checkpoint) every N optimizer steps; 0: only at the end.",
-                                   "[0, inf)")
+                                   "[0, inf)", may_change=True)
     eval_batches: int = option(8, "Validation batches (over all processes together), the same each time.", "[1, inf)")
     batch_size: int = option(32, "Sequences per process, per micro-batch.", "[1, inf)")
     learning_rate: float = option(5e-3, "Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)")
@@ -74,15 +73,17 @@ class Config(OptimOptions, RunOptions):
     n_embd: int = option(64, "Model width (a multiple of n_head).", "[1, inf)")
     dropout: float = option(0.0, "Dropout on embeddings, attention and residual branches.", "[0, 1)")
     init_from: str | None = option(None, "A finished run (folder or model.safetensors) to start from (same model).")
-    compile: bool = option(False, "torch.compile each transformer block.")
-    activation_checkpointing: bool = option(False, "Recompute each block's activations in backward: less memory.")
-    prompt: str = option("def ", "Text the sample at the end continues (byte-level data only).")
-    sample_tokens: int = option(200, "Tokens to sample at the end (0: no sample).", "[0, inf)")
-    temperature: float = option(0.8, "Sampling temperature of that sample.", "[0.001, inf)")
+    compile: bool = option(False, "torch.compile each transformer block.", may_change=True)
+    activation_checkpointing: bool = option(False, "Recompute each block's activations in backward: less memory.",
+                                            may_change=True)
+    prompt: str = option("def ", "Text the sample at the end continues (byte-level data only).", may_change=True)
+    sample_tokens: int = option(200, "Tokens to sample at the end (0: no sample).", "[0, inf)", may_change=True)
+    temperature: float = option(0.8, "Sampling temperature of that sample.", "[0.001, inf)", may_change=True)
     # -1 picks 0 here: a slice of in-memory text or of a memory-mapped token file is cheaper than a hop through a
     # worker (bench/data_loading.py); raise it for slow storage.
-    num_workers: int = option(0, "Loader workers per process; -1 picks for the data (0).", "[-1, 128]")
-    peak_tflops: float = option(0.0, "Peak TFLOP/s of one device for MFU (0: look the GPU up by name).", "[0, inf)")
+    num_workers: int = option(0, "Loader workers per process; -1 picks for the data (0).", "[-1, 128]", may_change=True)
+    peak_tflops: float = option(0.0, "Peak TFLOP/s of one device for MFU (0: look the GPU up by name).", "[0, inf)",
+                                may_change=True)
     output_dir: str = option("runs/language_model", "Checkpoints, metrics, status.json and the export go here.")
     log_every_steps: int = option(50, "Log loss, throughput and memory every N optimizer steps.", "[1, inf)")
     wandb_project: str = option("language-model-template", "W&B project name.")
@@ -336,9 +337,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
         accelerator, cfg, template="language_model", metric="val/loss", mode="min",
-        # These change how the run is watched or how fast it runs, not what it trains: a resume may change them.
-        may_change=MAY_CHANGE_ON_RESUME | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
-                                           "compile", "activation_checkpointing"},
         model_info=model_info,
         length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
     )

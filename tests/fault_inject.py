@@ -23,7 +23,8 @@ steps of this session) and, on the chosen rank (default: every rank), at FAULT_S
     nan_loss   the loss of the first micro-batch of step FAULT_STEP is NaN (no scaler)
 
 FAULT_RECORD names a folder where each rank writes rank<R>.json at start (pid, the step it resumed
-from) and again at exit (exit code, the last optimizer step it finished); rank 0 also writes
+from), after each write of status.json (how many it made: `status_writes`) and again at exit (exit code,
+the last optimizer step it finished); rank 0 also writes
 saves.json: for every checkpoint this session published, its files and folders as they were right
 after the save (tests/helpers.py `snapshot`: inode, size, mtime and sha256).
 """
@@ -36,6 +37,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -55,7 +57,8 @@ AT = int(os.environ.get("FAULT_STEP", "0"))
 RANK = int(os.environ.get("RANK", "0"))
 ACTS = os.environ.get("FAULT_RANK", str(RANK)) == str(RANK)
 RECORD = Path(os.environ["FAULT_RECORD"]) if os.environ.get("FAULT_RECORD") else None
-state = {"pid": os.getpid(), "rank": RANK, "resumed_step": None, "steps_done": None, "exit_code": None}
+state = {"pid": os.getpid(), "rank": RANK, "resumed_step": None, "steps_done": None, "exit_code": None,
+         "status_writes": 0}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -66,9 +69,13 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+record_lock = threading.Lock()  # the background writer records too (its status.json writes): one at a time
+
+
 def record() -> None:
     if RECORD is not None:
-        write_json(RECORD / f"rank{RANK}.json", state)
+        with record_lock:
+            write_json(RECORD / f"rank{RANK}.json", state)
 
 
 def global_step() -> int:
@@ -179,6 +186,20 @@ def publish(self, tmp, final, *args, **kwargs):
 
 
 template.CheckpointManager._publish = publish
+
+# --- status.json: how often this process wrote it (only the main process may), recorded at once
+real_replace = os.replace
+
+
+def replace(src, dst, *args, **kwargs):
+    result = real_replace(src, dst, *args, **kwargs)
+    if Path(dst).name == "status.json":
+        state["status_writes"] += 1
+        record()
+    return result
+
+
+os.replace = replace
 
 # --- non-finite losses; fp16 with a loss scaler on the CPU
 if FAULT in ("inf_loss", "nan_loss"):

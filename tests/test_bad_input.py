@@ -325,13 +325,13 @@ def out_of_range(low_open: bool, low: float, high: float, high_open: bool, is_in
 
 
 def test_every_option_of_both_templates_has_a_range_checked_alike_and_shown_by_help(capsys):
-    from common.config import _interval, format_help, option_range
+    from common.config import _interval, format_help
 
     configs = {name: load_template(name).Config for name in ("image_classification", "language_model")}
     for name, config in configs.items():
         for f in dataclasses.fields(config):
             kind = typing.get_type_hints(config)[f.name]
-            allowed = option_range(config, f.name)
+            allowed = f.metadata.get("range")
             if kind in (int, float):
                 assert isinstance(allowed, str), f"{name}: --{f.name} has no range"
                 low_open, low, high, high_open = _interval(allowed)
@@ -347,7 +347,7 @@ def test_every_option_of_both_templates_has_a_range_checked_alike_and_shown_by_h
             if allowed is not None:
                 shown = f"one of {', '.join(allowed)}" if isinstance(allowed, tuple) else f"range {allowed}"
                 assert f"--{f.name} " in format_help(config) and shown in format_help(config).split(f"--{f.name} ")[1]
-    image, lm = ({f.name: option_range(c, f.name) for f in dataclasses.fields(c)} for c in configs.values())
+    image, lm = ({f.name: f.metadata.get("range") for f in dataclasses.fields(c)} for c in configs.values())
     assert {k: v for k, v in image.items() if k in lm} == {k: v for k, v in lm.items() if k in image}  # the same way
 
 

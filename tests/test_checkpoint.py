@@ -24,7 +24,6 @@ import common.checkpoint as checkpoint_module
 from common.accelerator import build_accelerator
 from common.checkpoint import (
     PROGRESS_FILE,
-    MAY_CHANGE_ON_RESUME,
     CheckpointManager,
     TrainingState,
     export_weights,
@@ -161,60 +160,51 @@ def test_progress_json_records_the_run(job):
 def test_keep_last_k_periodic_and_best_kept_apart(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run", keep_last=2)
     job.ckpt.resume("none")
-    progress = TrainingState(step=1)
-    assert job.ckpt.save_best(progress, 0.5) is True
-    for step in range(1, 6):
-        progress.step = step
-        job.ckpt.save(progress)
+    state = TrainingState(step=1)
+    job.ckpt.save(state, 0.5)
+    for step in range(2, 6):
+        state.step = step
+        job.ckpt.save(state)
     # Only the newest two periodic checkpoints stay; the best one is never deleted by keep-last.
     assert names(job) == ["best_step_00000001", "step_00000004", "step_00000005"]
-    assert job.ckpt.best_checkpoint().name == "best_step_00000001"
     assert read_progress(job.ckpt.dir / "step_00000005")["best_metric"] == 0.5
 
 
 def test_only_the_newest_best_is_kept_and_only_better_values_count(job):
-    progress = TrainingState(step=1)
-    assert job.ckpt.save_best(progress, float("nan")) is False  # not even as the first value
-    assert progress.best_metric is None and names(job) == []
-    assert job.ckpt.save_best(progress, 0.5) is True
-    progress.step = 2
-    assert job.ckpt.save_best(progress, 0.4) is False  # worse
-    assert job.ckpt.save_best(progress, 0.5) is False  # not better
-    assert job.ckpt.save_best(progress, float("nan")) is False
-    assert (progress.best_metric, progress.best_step) == (0.5, 1)
-    assert names(job) == ["best_step_00000001"]
-    progress.step = 3
-    assert job.ckpt.save_best(progress, 0.9) is True
-    assert (progress.best_metric, progress.best_step) == (0.9, 3)
-    assert names(job) == ["best_step_00000003"]
-    assert read_progress(job.ckpt.best_checkpoint())["best_metric"] == 0.9
+    state = TrainingState(step=1)
+    job.ckpt.save(state, float("nan"))  # not a best, not even as the first value
+    assert state.best_metric is None and names(job) == ["step_00000001"]
+    job.ckpt.save(state, 0.5)
+    state.step = 2
+    for not_better in (0.4, 0.5, float("nan")):  # worse, equal, not a number
+        job.ckpt.save(state, not_better)
+    assert (state.best_metric, state.best_step) == (0.5, 1)
+    assert names(job) == ["best_step_00000001", "step_00000001", "step_00000002"]
+    state.step = 3
+    job.ckpt.save(state, 0.9)
+    assert (state.best_metric, state.best_step) == (0.9, 3)
+    assert names(job) == ["step_00000001", "step_00000002", "best_step_00000003", "step_00000003"]
+    assert read_progress(job.ckpt.dir / "best_step_00000003")["best_metric"] == 0.9
 
 
 def test_a_better_value_at_the_same_step_replaces_that_best(job):
-    progress = TrainingState(step=4)
-    assert job.ckpt.save_best(progress, 0.5)
-    assert job.ckpt.save_best(progress, 0.6)  # evaluated twice at one step
-    assert names(job) == ["best_step_00000004"]
-    assert read_progress(job.ckpt.best_checkpoint())["best_metric"] == 0.6
+    state = TrainingState(step=4)
+    job.ckpt.save(state, 0.5)
+    job.ckpt.save(state, 0.6)  # evaluated twice at one step
+    assert names(job) == ["best_step_00000004", "step_00000004"]
+    assert read_progress(job.ckpt.dir / "best_step_00000004")["best_metric"] == 0.6
 
 
 def test_best_in_min_mode(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run", mode="min")
     job.ckpt.resume("none")
-    progress = TrainingState(step=1)
-    assert job.ckpt.save_best(progress, 2.0) is True
-    progress.step = 2
-    assert job.ckpt.save_best(progress, 3.0) is False
-    assert job.ckpt.save_best(progress, 1.0) is True
-    assert names(job) == ["best_step_00000002"]
-
-
-def test_manager_arguments_checked(tmp_path, fresh_accelerate):
-    accelerator = build_accelerator(seed=0)
-    with pytest.raises(UsageError, match="mode must be 'max' or 'min'"):
-        CheckpointManager(accelerator, tmp_path, template="t", config={}, metric="m", mode="best")
-    with pytest.raises(UsageError, match="keep_last must be at least 1"):
-        CheckpointManager(accelerator, tmp_path, template="t", config={}, metric="m", keep_last=0)
+    state = TrainingState(step=1)
+    job.ckpt.save(state, 2.0)
+    state.step = 2
+    job.ckpt.save(state, 3.0)
+    assert names(job) == ["best_step_00000001", "step_00000001", "step_00000002"]
+    job.ckpt.save(state, 1.0)
+    assert names(job) == ["step_00000001", "best_step_00000002", "step_00000002"]
 
 
 # --- one step, one write -----------------------------------------------------------------------
@@ -228,31 +218,28 @@ def test_save_at_a_step_that_has_a_checkpoint_does_not_rewrite_it(job, monkeypat
     assert calls == [] and snapshot(job.ckpt.dir) == before
 
 
-def test_best_then_periodic_at_one_step_share_files_but_not_progress(job, monkeypatch):
-    progress = TrainingState(step=6, epoch=2)
-    assert job.ckpt.save_best(progress, 0.7)
+def test_best_and_periodic_at_one_step_share_files_but_not_progress(job, monkeypatch):
+    state = TrainingState(step=6, epoch=2, batches_in_epoch=4)
     calls = []
     real_save_state = job.accelerator.save_state
     monkeypatch.setattr(job.accelerator, "save_state", lambda *a, **k: calls.append(a) or real_save_state(*a, **k))
-    progress.batches_in_epoch = 4  # the periodic one records where training stands now
-    job.ckpt.save(progress)
-    assert calls == []  # the state was not written a second time ...
+    job.ckpt.save(state, 0.7)
+    assert len(calls) == 1  # the state was written once for both ...
     best, periodic = job.ckpt.dir / "best_step_00000006", job.ckpt.dir / "step_00000006"
     files = sorted(p.name for p in best.iterdir() if p.name != PROGRESS_FILE)
     assert "model.safetensors" in files and "random_states_0.pkl" in files
     assert sorted(p.name for p in periodic.iterdir() if p.name != PROGRESS_FILE) == files
-    for name in files:  # ... but hard-linked: the same inode, no copy
+    for name in files:  # ... and hard-linked: the same inode, no copy
         assert (best / name).stat().st_ino == (periodic / name).stat().st_ino
     assert (best / PROGRESS_FILE).stat().st_ino != (periodic / PROGRESS_FILE).stat().st_ino
-    assert read_progress(best)["batches_in_epoch"] == 0
-    assert read_progress(periodic)["batches_in_epoch"] == 4
+    assert read_progress(best)["batches_in_epoch"] == read_progress(periodic)["batches_in_epoch"] == 4
     assert read_progress(periodic)["best_metric"] == read_progress(best)["best_metric"] == 0.7
 
 
 def test_periodic_then_best_at_one_step_keeps_each_progress(job):
-    progress = TrainingState(step=6)
-    job.ckpt.save(progress)
-    assert job.ckpt.save_best(progress, 0.7)
+    state = TrainingState(step=6)
+    job.ckpt.save(state)
+    job.ckpt.save(state, 0.7)
     best, periodic = job.ckpt.dir / "best_step_00000006", job.ckpt.dir / "step_00000006"
     assert (best / "model.safetensors").stat().st_ino == (periodic / "model.safetensors").stat().st_ino
     assert read_progress(periodic)["best_metric"] is None  # written before this best existed; left alone
@@ -263,12 +250,11 @@ def test_best_survives_keep_last_deleting_its_twin(tmp_path, fresh_accelerate):
     job = setup(tmp_path / "run", keep_last=1)
     job.ckpt.resume("none")
     train(job, 1)
-    progress = TrainingState(step=2)
-    job.ckpt.save_best(progress, 0.5)
-    job.ckpt.save(progress)
+    state = TrainingState(step=2)
+    job.ckpt.save(state, 0.5)
     weights = params(job)
-    progress.step = 3
-    job.ckpt.save(progress)
+    state.step = 3
+    job.ckpt.save(state)
     assert names(job) == ["best_step_00000002", "step_00000003"]
     other = setup(tmp_path / "elsewhere", init_seed=3)
     assert other.ckpt.resume(str(tmp_path / "run" / "checkpoints" / "best_step_00000002")).step == 2
@@ -358,29 +344,29 @@ def test_resume_none_refuses_a_folder_with_checkpoints_and_changes_nothing(job, 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(job):
     job.ckpt.save(TrainingState(step=1))
-    progress = TrainingState(step=3)
-    job.ckpt.save_best(progress, 0.5)
-    progress.batches_in_epoch = 7
-    job.ckpt.save(progress)  # same step as the best, newer progress
+    state = TrainingState(step=3, batches_in_epoch=7)
+    job.ckpt.save(state)
+    state.batches_in_epoch = 8
+    job.ckpt.save(state, 0.5)  # same step as the periodic one, another progress: the periodic one is resumed
     job.ckpt.save(TrainingState(step=2))
     (job.ckpt.dir / "step_00000009").mkdir()  # a folder without progress.json is not a checkpoint
     (job.ckpt.dir / "step_00000009" / "model.safetensors").write_bytes(b"")
     assert names(job) == ["step_00000001", "step_00000002", "best_step_00000003", "step_00000003"]
     resumed = setup(job.ckpt.output_dir, init_seed=2)
-    assert resumed.ckpt.resume("auto") == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
+    assert resumed.ckpt.resume("auto") == TrainingState(step=3, batches_in_epoch=7)
 
 
 def test_resume_a_run_folder_takes_its_newest_complete_checkpoint(job, tmp_path):
     """`--resume runs/x` (or runs/x/checkpoints) continues from what `--resume auto` would pick in runs/x."""
     job.ckpt.save(TrainingState(step=1))
-    progress = TrainingState(step=3)
-    job.ckpt.save_best(progress, 0.5)
-    progress.batches_in_epoch = 7
-    job.ckpt.save(progress)  # same step as the best, newer progress
+    state = TrainingState(step=3, batches_in_epoch=7)
+    job.ckpt.save(state)
+    state.batches_in_epoch = 8
+    job.ckpt.save(state, 0.5)  # same step as the periodic one, another progress: the periodic one is resumed
     (job.ckpt.dir / "step_00000009").mkdir()  # a folder without progress.json is not a checkpoint
     for given in (job.ckpt.output_dir, job.ckpt.dir):
         other = setup(tmp_path / f"from_{given.name}", init_seed=2)
-        assert other.ckpt.resume(str(given)) == TrainingState(step=3, batches_in_epoch=7, best_metric=0.5, best_step=3)
+        assert other.ckpt.resume(str(given)) == TrainingState(step=3, batches_in_epoch=7)
 
 
 def test_resume_a_folder_without_checkpoints_names_what_to_pass(job, tmp_path):
@@ -490,7 +476,7 @@ def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):
     assert again.resume(str(path)).step == 3
     custom = dict(moved, custom=2)
     allowed = CheckpointManager(job.accelerator, tmp_path / "c", template="tiny", config=custom, metric="val/accuracy",
-                                may_change=MAY_CHANGE_ON_RESUME | {"custom"})
+                                may_change={"output_dir", "keep_last", "custom"})
     assert allowed.resume(str(path)).step == 3
     refused = CheckpointManager(job.accelerator, tmp_path / "d", template="tiny", config=custom, metric="val/accuracy")
     with pytest.raises(UsageError, match="--custom 1 there, 2 now"):
@@ -678,26 +664,25 @@ class KillAt:
 def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_complete_checkpoints(tmp_path,
                                                                                                  fresh_accelerate,
                                                                                                  background):
-    """A checkpoint at step 3 that is the new best, in a run keeping 2: save the best (deleting the
-    previous best), a better one at the same step (replacing it), link the periodic one to it (deleting
-    the oldest periodic one). Killed before or inside each filesystem operation of that in turn, the
-    folder must hold no folder under a final name that looks complete (progress.json) and is not, nor
-    an incomplete one that was never complete (a save published early); a folder being deleted may be
-    left half-deleted, without its progress.json; and resume picks the newest complete checkpoint and
-    loads exactly the weights saved there. In the background the kill strikes the writing thread (the
-    training thread learns of it at `wait`)."""
+    """A checkpoint at step 3 that is the new best, in a run keeping 2: save the best and link the periodic one
+    to it (deleting the previous best and the oldest periodic one), then a better best at the same step (linked
+    to the periodic one, replacing the first). Killed before or inside each filesystem operation of that in
+    turn, the folder must hold no folder under a final name that looks complete (progress.json) and is not, nor
+    an incomplete one that was never complete (a save published early); a folder being deleted may be left
+    half-deleted, without its progress.json; and resume picks the newest complete checkpoint and loads exactly
+    the weights saved there. In the background the kill strikes the writing thread (the training thread learns
+    of it at `wait`)."""
     at, outcomes = 0, []
     while True:
         at += 1
         job = setup(tmp_path / f"kill{at}", keep_last=2, background=background)
         job.ckpt.resume("none")
         weights = {}
-        progress = TrainingState(step=1)
+        state = TrainingState(step=1)
         for step in (1, 2):
             train(job, 1)
-            progress.step = step
-            job.ckpt.save_best(progress, 0.1 * step)
-            job.ckpt.save(progress)
+            state.step = step
+            job.ckpt.save(state, 0.1 * step)
             weights[step] = params(job)
             job.ckpt.wait()
         train(job, 1)
@@ -707,10 +692,9 @@ def test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_comple
         with pytest.MonkeyPatch.context() as monkeypatch:
             kill = KillAt(monkeypatch, job.ckpt, job.ckpt.dir, at)
             try:
-                progress.step = 3
-                for save in (lambda: job.ckpt.save_best(progress, 0.8), lambda: job.ckpt.save_best(progress, 0.9),
-                             lambda: job.ckpt.save(progress)):
-                    save()  # a best, a better one at the same step (replacing it), the periodic one
+                state.step = 3
+                for metric in (0.8, 0.9):  # a best and the periodic one, then a better best at the same step
+                    job.ckpt.save(state, metric)
                     job.ckpt.wait()
                     published |= set(names(job))
             except Kill:

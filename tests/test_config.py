@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # so plain `pytest` works as well as `python -m pytest`
     sys.path.insert(0, str(REPO_ROOT))
 
-from common.config import ConfigError, config_to_dict, parse_config  # noqa: E402
+from common.config import ConfigError, config_to_dict, may_change_on_resume, option, parse_config  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 
 
@@ -340,3 +340,24 @@ def test_bad_flag_in_script_gives_one_line_and_exit_2(tmp_path):
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert lines[0] == "error: unknown option --lerning_rate (did you mean --learning_rate?)"
+
+
+# --- which options a resume may change -------------------------------------------------------------
+
+@dataclass
+class Session:
+    steps: int = option(10, "Steps.", "[1, inf)")
+    log_every: int = option(1, "Log every N steps.", "[1, inf)", may_change=True)
+    workers: int = option(0, "Loader workers.", "[0, 8]", may_change=True)
+
+
+@dataclass
+class Trial(Session):
+    log_every: int = option(5, "Log every N steps, less often here.", "[1, inf)")  # declared again, same policy
+    workers: int = option(2, "Loader workers: part of this trial's data order.", "[0, 8]", may_change=False)
+    sample: bool = option(True, "Sample at the end.", may_change=True)
+
+
+def test_the_options_a_resume_may_change_are_declared_on_them_and_kept_by_a_field_declared_again():
+    assert may_change_on_resume(Session) == {"log_every", "workers"}
+    assert may_change_on_resume(Trial) == {"log_every", "sample"}  # `workers` said otherwise where declared again

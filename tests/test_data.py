@@ -15,7 +15,6 @@ from torch.utils.data import Dataset, RandomSampler, SequentialSampler, TensorDa
 from common.accelerator import build_accelerator
 from common.data import (
     build_loader,
-    check_disjoint,
     default_num_workers,
     seed_worker,
     split_by_key,
@@ -262,14 +261,6 @@ def test_split_indices_always_leaves_both_splits_non_empty():
         split_indices(1, 0.5, seed=0)
 
 
-@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
-def test_split_fraction_checked(fraction):
-    with pytest.raises(UsageError, match="val_fraction must be between 0 and 1"):
-        split_indices(10, fraction, seed=0)
-    with pytest.raises(UsageError, match="val_fraction must be between 0 and 1"):
-        split_by_key(["a", "b"], fraction)
-
-
 def test_stable_fraction_is_fixed_by_the_key_alone():
     # Pinned values: a split must not change with the machine, the run (Python's hash() is salted per
     # process) or the Python version.
@@ -289,11 +280,4 @@ def test_split_by_key_disjoint_and_stable_when_items_are_added():
     train2, val2 = split_by_key(more, 0.25)
     assert {more[i] for i in val2} & set(keys) == in_val
     assert {more[i] for i in train2} & set(keys) == set(keys) - in_val
-
-
-def test_check_disjoint():
-    check_disjoint([0, 1, 2], [3, 4], [5])
-    check_disjoint([], [1])
-    with pytest.raises(ValueError, match="sample 4 is in split 0 and split 2"):
-        check_disjoint([1, 4], [2, 3], [5, 4])
 

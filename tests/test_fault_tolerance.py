@@ -505,6 +505,16 @@ def test_status_json_says_how_every_launch_ended(runs, name):
         assert launch.result.returncode == 0
 
 
+@pytest.mark.parametrize("name", [name for name, cell in CELLS.items() if cell.config not in (None, "cpu.yaml")])
+def test_only_the_main_process_writes_status_json(runs, name):
+    """On 2 ranks rank 0 alone writes status.json (tests/fault_inject.py counts each rank's writes as they
+    happen): two writers would race their renames, and the loser's record would be lost."""
+    chain = get(runs, name)
+    for launch in chain.launches[:-1]:  # the launches with a fault, run through tests/fault_inject.py
+        writes = {rank: record["status_writes"] for rank, record in launch.records.items()}
+        assert sorted(writes) == [0, 1] and writes[0] >= 1 and writes[1] == 0, (launch.event, writes, show(launch))
+
+
 def test_status_json_of_a_killed_run_says_the_step_a_resume_continues_from(tmp_path):
     """SIGKILL just before step 6 (checkpoints at steps 2 and 4, written at the step so the test cannot race
     the writer): status.json still says "running", and its step is 4, the last complete checkpoint, where the
@@ -541,8 +551,11 @@ def test_fp16_overflow_is_skipped_by_the_scaler_counted_and_training_goes_on(run
     first, second = get(runs, f"fp16-{template}")
     out = Path(first.result.args[-1])
     assert first.result.returncode == 0, show(first)
+    # skipped steps are no failure: the run ends as any other (the image run stopped for its resume first)
+    assert first.status["state"] == ("finished" if second is None else "stopped"), first.status
     if second is not None:
         assert second.result.returncode == 0 and "resumed from" in second.result.stdout, show(second)
+        assert second.status["state"] == "finished" and second.status["exit_code"] == 0, second.status
     logged = {r["step"]: r for r in read_metrics(out) if "train/skipped_steps" in r}
     assert sorted(logged) == list(range(1, 15))
     # counted (image: over a resume)

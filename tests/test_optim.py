@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.errors import UsageError
 from common.optim import LR_SCALING, fused_adamw_on, scale_learning_rate, warmup_cosine, weight_decay_groups
 
 
@@ -23,11 +22,6 @@ def test_lr_scaling_rules(world_size):
 
 def test_lr_scaling_one_rank_keeps_lr_for_every_rule():
     assert {scale_learning_rate(3e-4, 1, rule) for rule in LR_SCALING} == {3e-4}
-
-
-def test_lr_scaling_rule_is_checked():
-    with pytest.raises(UsageError, match="lr_scaling must be one of none, linear, sqrt, got 'auto'"):
-        scale_learning_rate(0.1, 2, "auto")
 
 
 # --- weight decay groups ----------------------------------------------------------------------

@@ -120,11 +120,6 @@ def test_fresh_start_in_a_folder_with_old_metrics_keeps_none_of_them(tmp_path):
     assert strict_lines(path) == []
 
 
-def test_tracker_kind_checked(tmp_path):
-    with pytest.raises(UsageError, match="tracker must be one of wandb, none, got 'tensorboard'"):
-        Tracker(MAIN, tmp_path, kind="tensorboard", project="p", config={})
-
-
 # --- W&B (faked): when it starts, in which mode, with which run id --------------------------------
 
 def test_tracker_none_starts_no_wandb(tmp_path, fake_wandb):
