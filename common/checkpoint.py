@@ -282,6 +282,14 @@ class CheckpointManager:
         if self._pending is not None:
             self._pending.failed_somewhere = True
 
+    def restore_best(self, state: TrainingState) -> int:
+        """Load the best checkpoint's weights (and the optimizer, scheduler and RNG it holds) into the prepared
+        objects, for an export of the best weights at the end of a run; `state` is left as it is. Returns the
+        step of the weights now in the model."""
+        self.wait()
+        self.accelerator.load_state(str(self.dir / f"best_step_{state.best_step:08d}"))
+        return state.best_step
+
     def is_better(self, value: float, state: TrainingState) -> bool:
         if not math.isfinite(value):
             return False

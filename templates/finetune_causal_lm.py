@@ -95,6 +95,10 @@ class Config(OptimOptions, RunOptions):
     compile: bool = option(False, "torch.compile each decoder layer.", may_change=True)
     prompt: str = option("", "Prompt of the sample at the end (chat data: the user message); default: a "
                              "validation example's.", may_change=True)
+    early_stopping_patience: int = option(0, "End the run (and export) after N evaluations in a row without a "
+                                             "better val/loss; 0: never.", "[0, inf)")
+    export_from: str = option("best", "The weights the export holds: best (the checkpoint of the best val/loss) or "
+                                      "last (the last step's).", ("best", "last"), may_change=True)
     sample_tokens: int = option(32, "Tokens to generate (greedy) at the end (0: no sample).", "[0, inf)",
                                 may_change=True)
     num_workers: int = option(0, "Loader workers per process (tokenized data is in memory: 0 is fine).", "[0, 128]",
@@ -613,6 +617,8 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
                  release=release_process_group)  # the process group freed before Python shuts down
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
+    if cfg.early_stopping_patience and not cfg.eval_every_steps:
+        raise UsageError("--early_stopping_patience counts evaluations: it needs --eval_every_steps above 0")
     accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
     torch.set_float32_matmul_precision("high")
 
@@ -682,10 +688,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = preempted = False
+
+    def patience_exhausted() -> bool:  # from the state alone, so a resumed run goes on counting where it stopped
+        return bool(cfg.early_stopping_patience and state.best_step is not None and
+                    (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience)
+
+    early_stopped = patience_exhausted()  # a resumed run that had stopped early trains no further
     step_sums = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and target count in this step
     model.train()
     throughput.restart()
-    while state.step < cfg.max_steps and not stopping:
+    while state.step < cfg.max_steps and not (stopping or early_stopped):
         train_loader.set_epoch(state.epoch)  # a different order every epoch, the same on every rank
         skip = state.batches_in_epoch  # non-zero only in the epoch a resume lands in
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
@@ -734,10 +746,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 state.interval_loss_sum, state.interval_targets = 0.0, 0.0
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
+                early_stopped = patience_exhausted()  # the same on every rank: val/loss is gathered
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
-            if state.step == cfg.max_steps:
+            if state.step == cfg.max_steps or early_stopped:
                 break
             if preempted or session_steps == cfg.stop_after_steps:
                 stopping = True
@@ -745,15 +758,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar.close()
 
     reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
+    if early_stopped:
+        reason = (f"early stopping: no better val/loss in {cfg.early_stopping_patience} evaluations after step "
+                  f"{state.best_step}")
+        accelerator.print(f"stopped at step {state.step}: {reason}")
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
-    if state.step == cfg.max_steps:
+    if state.step == cfg.max_steps or early_stopped:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
         ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
+        exported_step = state.step
+        if cfg.export_from == "best" and state.best_step not in (None, state.step):
+            exported_step = ckpt.restore_best(state)  # the weights of the best val/loss (and what they came with)
         export = export_model(accelerator, model, tokenizer, cfg, Path(cfg.output_dir) / "model")
         adapter = cfg.lora_r and not cfg.merge_lora
-        accelerator.print(f"exported to {export}: load it with "
+        which = f"step {exported_step}" + (f" (best val/loss {state.best_metric:.4f})"
+                                           if exported_step == state.best_step else "")
+        accelerator.print(f"exported the weights of {which} to {export}: load it with "
                           f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
         tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if cfg.sample_tokens:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import (REPO, assert_one_host_sync_per_ordinary_step, clean_env, host_syncs_per_step, launch,
-                      load_template)
+                      load_template, start_clean_accelerate)
 
 TEMPLATE = REPO / "templates" / "finetune_causal_lm.py"
 sys.path.insert(0, str(REPO / "scripts"))
@@ -437,3 +437,48 @@ def test_at_most_one_host_sync_per_optimizer_step(lora, tmp_path, tiny_model, mo
                "--log_every_steps", "1000", "--eval_every_steps", "0", "--sample_tokens", "0",
                *(["--lora_r", "4"] if lora else [])])
     assert_one_host_sync_per_ordinary_step(windows)
+
+
+def test_early_stopping_ends_the_run_and_exports_the_best_weights_and_a_rerun_trains_no_further(
+        tmp_path, tiny_model, monkeypatch, capsys):
+    """A scripted validation loss (best at step 4, worse at 6 and 8) with --early_stopping_patience 2 and
+    evaluations every 2 steps: the run ends at step 8, finished, and exports the best checkpoint's weights. The
+    same command again resumes at step 8 and stops there (the count comes from the state), exporting the same."""
+    from safetensors.torch import load_file
+
+    module = ft()
+    losses = iter([9.0, 5.0, 4.0, 4.5, 4.6, 4.6])  # before training, then steps 2, 4, 6, 8; the rerun: step 8
+
+    def scripted(model, loader, accelerator):
+        loss = next(losses)
+        return {"val/loss": loss, "val/perplexity": math.exp(loss), "val/tokens": 1}
+
+    monkeypatch.setattr(module, "evaluate", scripted)
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_model), "--data_path", str(write_jsonl(tmp_path / "d.jsonl", reverse_task(120))),
+            "--output_dir", str(out), "--tracker", "none", "--max_steps", "20", "--eval_every_steps", "2",
+            "--early_stopping_patience", "2", "--batch_size", "4", "--learning_rate", "1e-2", "--sample_tokens", "0"]
+    for attempt in range(2):
+        start_clean_accelerate(monkeypatch)
+        module.main(argv)
+        printed = capsys.readouterr().out
+        assert "stopped at step 8: early stopping: no better val/loss in 2 evaluations after step 4" in printed
+        assert "exported the weights of step 4 (best val/loss 4.0000)" in printed
+        status = json.loads((out / "status.json").read_text())
+        assert status["state"] == "finished" and status["step"] == 8 and "early stopping" in status["reason"]
+        best = load_file(str(out / "checkpoints" / "best_step_00000004" / "model.safetensors"))
+        exported = load_file(str(out / "model" / "model.safetensors"))
+        assert best.keys() == exported.keys() and all(torch.equal(best[k], exported[k]) for k in best)
+        last = load_file(str(out / "checkpoints" / "step_00000008" / "model.safetensors"))
+        assert not all(torch.equal(last[k], exported[k]) for k in last)  # the last step's weights differ
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_00000008"  # nothing trained after
+
+
+def test_early_stopping_without_evaluations_is_refused(tmp_path, tiny_model, capsys, fresh_accelerate):
+    with pytest.raises(SystemExit) as stop:
+        ft().main(["--model", str(tiny_model), "--data_path", "x.jsonl", "--output_dir", str(tmp_path / "out"),
+                   "--early_stopping_patience", "3", "--eval_every_steps", "0"])
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert errors == ["error: --early_stopping_patience counts evaluations: it needs --eval_every_steps above 0"]
+    assert not (tmp_path / "out").exists()
