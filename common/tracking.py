@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from common.errors import UsageError
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # text the model wrote at each evaluation (the fine-tuning template)
 
 
 def wandb_has_credentials() -> bool:
@@ -74,13 +75,15 @@ class Tracker:
         self.enabled = accelerator.is_main_process
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / METRICS_FILE
+        self.samples_path = self.output_dir / SAMPLES_FILE
         self.run = None
         self.offline = False
         self.started = time.time()
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
+        for path in (self.metrics_path, self.samples_path):
+            self._truncate_after(path, resume_step)
         if kind == "wandb":
             self.run = self._start_wandb(project, config)
 
@@ -108,19 +111,20 @@ class Tracker:
         return wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode,
                           settings=wandb.Settings(quiet=True), **kwargs)
 
-    def _truncate_after(self, step: int) -> None:
-        if not self.metrics_path.is_file():
+    @staticmethod
+    def _truncate_after(path: Path, step: int) -> None:
+        if not path.is_file():
             return
         kept = []
-        for line in self.metrics_path.read_text().splitlines():
+        for line in path.read_text().splitlines():
             try:
                 if json.loads(line).get("step", 0) <= step:
                     kept.append(line)
             except ValueError:
                 continue  # a line cut short by a crash
-        tmp = self.metrics_path.with_name(f".{METRICS_FILE}.tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics_path)
+        os.replace(tmp, path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
@@ -132,6 +136,20 @@ class Tracker:
             handle.flush()
         if self.run is not None:
             self.run.log(metrics, step=step)
+
+    def log_samples(self, rows: list[dict[str, str]], step: int) -> None:
+        """Text a model wrote (one dict a sample, the same keys in each): `samples.jsonl` (main process), and a
+        W&B table where W&B is on."""
+        if not self.enabled or not rows:
+            return
+        with self.samples_path.open("a") as handle:
+            handle.write("".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
+        if self.run is not None:
+            import wandb
+
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+            self.run.log({"val/samples": table}, step=step)
 
     def summary(self, values: dict[str, float]) -> None:
         if self.run is not None:

@@ -95,6 +95,9 @@ class Config(OptimOptions, RunOptions):
     compile: bool = option(False, "torch.compile each decoder layer.", may_change=True)
     prompt: str = option("", "Prompt of the sample at the end (chat data: the user message); default: a "
                              "validation example's.", may_change=True)
+    eval_samples: int = option(4, "Validation prompts answered greedily at each evaluation: logged (samples.jsonl, "
+                                  "W&B table), with their exact-match rate on prompt/completion data.", "[0, inf)",
+                               may_change=True)
     early_stopping_patience: int = option(0, "End the run (and export) after N evaluations in a row without a "
                                              "better val/loss; 0: never.", "[0, inf)")
     export_from: str = option("best", "The weights the export holds: best (the checkpoint of the best val/loss) or "
@@ -557,6 +560,30 @@ def generate(model, prompt_ids: list[int], new_tokens: int, eos_id: int, device)
     return out[: out.index(eos_id)] if eos_id in out else out
 
 
+def probe_prompts(examples: list[Example], count: int, eos_id: int) -> list[tuple[list[int], list[int]]]:
+    """The first `count` examples as (prompt, answer): the tokens before the first learned one, and the learned ones
+    after them up to the end of the sequence (a completion; a first assistant turn), cut before the EOS."""
+    probes = []
+    for example in examples[:count]:
+        first = next((i for i, label in enumerate(example.labels) if label != IGNORE), 0)
+        end = next((i for i in range(first, len(example.labels)) if example.labels[i] == IGNORE), len(example.labels))
+        answer = example.input_ids[first:end]
+        probes.append((example.input_ids[:first], answer[:answer.index(eos_id)] if eos_id in answer else answer))
+    return probes
+
+
+def answer_probes(model, probes, tokenizer, device) -> tuple[list[dict[str, str]], float]:
+    """Greedy answers to the probe prompts (as many tokens as the expected answer, and its EOS), and the share
+    that matches the expected answer exactly."""
+    rows, matches = [], 0
+    for prompt, expected in probes:
+        output = generate(model, prompt, len(expected) + 1, tokenizer.eos_token_id, device)
+        matches += output == expected
+        rows.append({"prompt": tokenizer.decode(prompt), "output": tokenizer.decode(output),
+                     "expected": tokenizer.decode(expected)})
+    return rows, matches / max(1, len(probes))
+
+
 def base_generation_config(name: str):
     """The base model's generation_config.json (a Hub id from the local cache), or None if it has none."""
     from transformers import GenerationConfig
@@ -667,12 +694,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"learning rate {learning_rate:g}"
     )
 
+    # A few validation prompts answered at each evaluation (text data has no prompts to answer)
+    probes = probe_prompts(val_examples, cfg.eval_samples, tokenizer.eos_token_id) if kind != "text" else []
+
     def validate(record: bool = True) -> dict[str, float]:
         metrics = evaluate(model, val_loader, accelerator)
+        samples, exact = answer_probes(model, probes, tokenizer, accelerator.device) if record else ([], 0.0)
+        if samples and kind == "completion":
+            metrics["val/exact_match"] = exact
         say(accelerator, f"step {state.step}: val loss {metrics['val/loss']:.4f}, "
-                         f"perplexity {metrics['val/perplexity']:.2f} (completion tokens only)")
+                         f"perplexity {metrics['val/perplexity']:.2f} (completion tokens only)"
+                         + (f", exact match {exact:.0%} of {len(samples)}" if "val/exact_match" in metrics else ""))
         if record:  # not when a finished run is resumed: its evaluation is logged and saved already
             tracker.log(metrics, step=state.step)
+            tracker.log_samples(samples, step=state.step)  # samples.jsonl, and a W&B table
             ckpt.save(state, metrics["val/loss"])  # and the best checkpoint, if it is the best so far
         return metrics
 

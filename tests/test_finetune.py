@@ -12,6 +12,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -482,3 +483,43 @@ def test_early_stopping_without_evaluations_is_refused(tmp_path, tiny_model, cap
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert errors == ["error: --early_stopping_patience counts evaluations: it needs --eval_every_steps above 0"]
     assert not (tmp_path / "out").exists()
+
+
+class Oracle(torch.nn.Module):
+    """A stand-in model whose greedy next token continues `text` (the expected answer, then its EOS)."""
+
+    def __init__(self, sequences: list[list[int]], vocab: int):
+        super().__init__()
+        self.sequences, self.vocab = sequences, vocab
+
+    def forward(self, input_ids):
+        ids = input_ids[0].tolist()
+        sequence = next(s for s in self.sequences if s[:len(ids)] == ids)
+        logits = torch.zeros(1, len(ids), self.vocab)
+        logits[0, -1, sequence[len(ids)] if len(ids) < len(sequence) else 0] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_probe_answers_are_exact_only_when_the_whole_answer_and_its_end_come_out(tokenizer):
+    module = ft()
+    examples = [module.Example(*module.encode_completion(tokenizer, e["prompt"], e["completion"]), key=str(i))
+                for i, e in enumerate(reverse_task(3))]
+    probes = module.probe_prompts(examples, 2, tokenizer.eos_token_id)
+    assert [tokenizer.decode(prompt) for prompt, _ in probes] == [e["prompt"] for e in reverse_task(2)]
+    assert [tokenizer.decode(answer) for _, answer in probes] == [e["completion"] for e in reverse_task(2)]
+    perfect = Oracle([e.input_ids for e in examples], len(tokenizer))
+    rows, exact = module.answer_probes(perfect, probes, tokenizer, "cpu")
+    assert exact == 1.0 and [r["output"] for r in rows] == [r["expected"] for r in rows]
+    rambling = Oracle([e.input_ids[:-1] + e.input_ids[-2:-1] * 3 for e in examples], len(tokenizer))  # no EOS
+    assert module.answer_probes(rambling, probes, tokenizer, "cpu")[1] == 0.0
+
+
+def test_each_evaluation_logs_its_answers_and_their_exact_match(runs):
+    records = finished(runs["single-full"])
+    assert [r["step"] for r in records if "val/exact_match" in r] == [30, 60]
+    samples = [json.loads(line) for line in (runs["single-full"]["out"] / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [30] * 4 + [60] * 4
+    assert all(s["prompt"].startswith("reverse ") and s["expected"].strip() for s in samples)
+    chat = finished(runs["single-lora-merged-chat"])  # answers logged; exact match is for prompt/completion data
+    assert not any("val/exact_match" in r for r in chat)
+    assert (runs["single-lora-merged-chat"]["out"] / "samples.jsonl").read_text().count('"step": 60') == 4

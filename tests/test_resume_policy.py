@@ -39,7 +39,7 @@ MAY_CHANGE = {  # how the run is watched or how fast it runs, not what it trains
     "language_model": SHARED | {"eval_every_steps", "sample_tokens", "prompt", "temperature", "peak_tflops",
                                 "compile", "activation_checkpointing"},
     "finetune_causal_lm": SHARED | {"eval_every_steps", "sample_tokens", "prompt", "compile",
-                                    "gradient_checkpointing", "merge_lora", "export_from"},
+                                    "gradient_checkpointing", "merge_lora", "export_from", "eval_samples"},
 }
 LENGTH = {"image_classification": "epochs", "language_model": "max_steps", "finetune_causal_lm": "max_steps"}
 

@@ -113,6 +113,18 @@ def test_resume_drops_lines_after_the_resumed_step_and_a_half_written_line(tmp_p
     assert [r["step"] for r in strict_lines(path)] == [1, 2, 3, 4, 5]
 
 
+def test_samples_go_to_their_own_file_on_the_main_process_and_a_resume_drops_the_later_ones(tmp_path, fake_wandb):
+    rows = [{"prompt": "reverse ab =", "output": " ba", "expected": " ba"}]
+    Tracker(OTHER_RANK, tmp_path, kind="none", project="p", config={}).log_samples(rows, step=2)
+    assert not (tmp_path / "samples.jsonl").exists()
+    tracker = Tracker(MAIN, tmp_path, kind="none", project="p", config={})
+    for step in (2, 4, 6):
+        tracker.log_samples(rows * 2, step=step)
+    Tracker(MAIN, tmp_path, kind="none", project="p", config={}, resume_step=4)
+    lines = strict_lines(tmp_path / "samples.jsonl")
+    assert [r["step"] for r in lines] == [2, 2, 4, 4] and lines[0] == {"step": 2, **rows[0]}
+
+
 def test_fresh_start_in_a_folder_with_old_metrics_keeps_none_of_them(tmp_path):
     path = tmp_path / METRICS_FILE
     write_lines(path, [1, 2, 3])
