@@ -498,7 +498,9 @@ def image_search(tmp_path_factory):
     min_iter 1, eta 3 and --max_resource 2 make one hyperband bracket whose rung is the first
     evaluation: a trial is pruned there unless it is the best so far (the top third from 3 trials on).
     The sampled learning rates depend only on the seeds; with seed 0 a poor one (chance accuracy)
-    follows a good one, so at least one trial is pruned on any machine.
+    follows a good one, so at least one trial is pruned on any machine. The template runs paced
+    (tests/paced_trial.py): each evaluation waits for the study's record of it, or a fast machine's
+    trial would log all three within one poll of the runner and reach its end unasked.
     """
     tmp = tmp_path_factory.mktemp("image_search")
     sweep = write_sweep(
@@ -509,11 +511,13 @@ def image_search(tmp_path_factory):
             "batch_size": {"value": 128},
         },
         early_terminate={"type": "hyperband", "min_iter": 1, "eta": 3},
-        command=["${env}", "accelerate", "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "${program}", "${args}"],
+        command=["${env}", "accelerate", "launch", "--config_file", str(CONFIGS / "cpu.yaml"),
+                 str(REPO / "tests" / "paced_trial.py"), "${program}", "${args}"],
     )
     out = tmp / "out"
     done = cli("search", "--sweep", str(sweep), "--output_dir", str(out), "--n_trials", "5", "--seed", "0",
-               "--max_resource", "2", "--", *TINY_IMAGE, timeout=600)
+               "--max_resource", "2", "--", *TINY_IMAGE, timeout=600,
+               env=clean_env(PACE_JOURNAL=str(out / "tiny" / "journal.log")))
     return sweep, out, done
 
 
