@@ -50,9 +50,9 @@ def template_args(arm: str, model_dir: Path, data_dir: Path, output_dir: Path, a
                      ["--batch_size", str(rows), "--packing", "true"])
 
 
-def run_arm(arm: str, argv: list[str], output_dir: Path, threads: int) -> dict:
+def run_arm(arm: str, argv: list[str], output_dir: Path, threads: int, env: dict) -> dict:
     began = time.perf_counter()
-    done, _ = harness.launch("cpu.yaml", "finetune_causal_lm", argv, probe_prefix=None, threads=threads)
+    done, _ = harness.launch("cpu.yaml", "finetune_causal_lm", argv, probe_prefix=None, threads=threads, env=env)
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         sys.exit(f"{arm}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
@@ -88,12 +88,13 @@ def main() -> None:
         rows, per_row = harness.rows_for_examples(model_dir, data_dir, args.batch_size, args.max_length)
         print(f"model: {args.layers} layers x {args.hidden}; packed: {per_row:.1f} examples a row of "
               f"{args.max_length} tokens, {rows} rows a step (padded: {args.batch_size} examples a step)")
+        env = harness.clean_env(args.threads, HF_DATASETS_CACHE=str(tmp / "datasets-cache"))  # no trace in ~/.cache
         results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
         for round_ in range(args.rounds):
             for arm in ARMS if round_ % 2 == 0 else ARMS[::-1]:
                 output_dir = tmp / f"{arm}-{round_}"
                 argv = template_args(arm, model_dir, data_dir, output_dir, args, rows)
-                results[arm].append(run_arm(arm, argv, output_dir, args.threads))
+                results[arm].append(run_arm(arm, argv, output_dir, args.threads, env))
                 r = results[arm][-1]
                 print(f"round {round_ + 1} {arm}: {r['steady']:,.0f} tokens/s steady, {r['seconds']:.1f} s "
                       f"command, final val loss {r['val_loss']:.4f}", flush=True)

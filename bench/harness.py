@@ -476,7 +476,8 @@ def mixed_length_task(count: int, seed: int, max_repeats: int = 12) -> list[dict
     for _ in range(count):
         word = "".join(rng.choice(string.ascii_lowercase[:8]) for _ in range(rng.randint(3, 6)))
         repeats = rng.randint(1, max_repeats)
-        examples.append({"prompt": f"reverse {word} x{repeats} =", "completion": " " + " ".join([word[::-1]] * repeats)})
+        answer = " ".join([word[::-1]] * repeats)
+        examples.append({"prompt": f"reverse {word} x{repeats} =", "completion": f" {answer}"})
     return examples
 
 
