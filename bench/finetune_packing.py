@@ -79,6 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.hidden, args.layers = 1, 12, 64, 2
+    harness.set_threads(args.threads)  # this process evaluates; and the machine line reports it
     info = harness.machine()
 
     with tempfile.TemporaryDirectory(prefix="finetune_packing_") as tmp:

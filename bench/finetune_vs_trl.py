@@ -143,6 +143,7 @@ def main() -> None:
     if check.returncode != 0:
         sys.exit(f"error: no TRL in {args.trl_python}: pip install -r bench/requirements-trl.txt (or pass "
                  "--trl-python)")
+    harness.set_threads(args.threads)  # this process evaluates; and the machine line reports it
     info = harness.machine() | {"trl": check.stdout.strip()}
     import transformers
 
