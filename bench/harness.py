@@ -461,3 +461,102 @@ def flops_per_token(model, seq_len: int) -> float:
 
     method = model.flops_per_token
     return method(seq_len) if inspect.signature(method).parameters else method()
+
+
+# ------------------------------------------------------------------------- fine-tuning runs
+def mixed_length_task(count: int, seed: int, max_repeats: int = 12) -> list[dict]:
+    """Prompt/completion pairs of mixed lengths: reverse a short word and write it 1..max_repeats times
+    (the prompt says how many), so completions run from one word to a dozen and a padded batch is
+    mostly padding beside its longest example."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        word = "".join(rng.choice(string.ascii_lowercase[:8]) for _ in range(rng.randint(3, 6)))
+        repeats = rng.randint(1, max_repeats)
+        answer = " ".join([word[::-1]] * repeats)
+        examples.append({"prompt": f"reverse {word} x{repeats} =", "completion": f" {answer}"})
+    return examples
+
+
+def write_finetune_task(folder: Path, *, hidden: int, layers: int, train: int, val: int) -> tuple[Path, Path]:
+    """scripts/make_tiny_model.py's model (hidden x layers) and a folder of the mixed-length task as
+    train.jsonl + validation.jsonl (the split names both the template and `datasets` read from file names).
+    Returns (model folder, data folder)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # save_pretrained's bar, in the middle of the bench's table
+    model_dir, data_dir = folder / "model", folder / "data"
+    tiny.make_tiny_model(model_dir, hidden_size=hidden, layers=layers)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, count, seed in (("train", train, 0), ("validation", val, 1)):
+        lines = [json.dumps(example) for example in mixed_length_task(count, seed)]
+        (data_dir / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return model_dir, data_dir
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def steady_rate(intervals: list[tuple[float, float]], skip: int = 1) -> float:
+    """Items per second over (items, seconds) log intervals, the first `skip` left out (start-up: the first
+    steps of a run are slower). Total over total, not a mean of rates."""
+    kept = intervals[skip:] or intervals
+    return sum(items for items, _ in kept) / sum(seconds for _, seconds in kept)
+
+
+def template_intervals(records: list[dict]) -> list[tuple[float, float]]:
+    """(non-padding tokens, seconds) of each log interval of the fine-tuning template's metrics.jsonl: its own
+    Throughput counts the tokens (padding excluded) and the time since the previous log, evaluation left out."""
+    intervals, previous = [], 0
+    for record in records:
+        if "tokens_per_s" in record:
+            seconds = record["time/step_ms"] * (record["step"] - previous) / 1000
+            intervals.append((record["tokens_per_s"] * seconds, seconds))
+            previous = record["step"]
+    return intervals
+
+
+def completion_loss(model_dir: Path, tokenizer_dir: Path, examples: list[dict]) -> float:
+    """Validation loss per completion token of an exported model (from_pretrained, fp32, no accelerate): each
+    example alone (no padding), the prompt's tokens not counted, the completion's and EOS counted: the one
+    evaluator for every arm, whatever trained it."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            prompt = tokenizer(example["prompt"])["input_ids"]
+            completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + \
+                [tokenizer.eos_token_id]
+            ids = torch.tensor([prompt + completion])
+            logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+            total += F.cross_entropy(logits, torch.tensor(completion), reduction="sum").item()
+            count += len(completion)
+    return total / count
+
+
+def rows_for_examples(model_dir: Path, data_dir: Path, examples_per_step: int, max_length: int) -> tuple[int, float]:
+    """How many packed rows of `max_length` tokens hold about `examples_per_step` training examples, as the
+    template packs them (common.data.pack, best fit decreasing), so a packed run takes steps of the same examples
+    and tokens as a padded one of that batch: (rows per step, examples per row)."""
+    from transformers import AutoTokenizer
+
+    from common.data import pack
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = read_jsonl(data_dir / "train.jsonl")
+    lengths = [len(tokenizer(e["prompt"])["input_ids"]) + len(tokenizer(e["completion"])["input_ids"]) + 1
+               for e in examples]
+    per_row = len(examples) / len(pack(lengths, max_length))
+    return max(1, round(examples_per_step / per_row)), per_row

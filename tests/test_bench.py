@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO, clean_env
 
-SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "gpu_check", "finetune_loading"]
+SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "gpu_check", "finetune_loading",
+           "finetune_packing", "finetune_vs_trl"]
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -56,6 +57,62 @@ def test_finetune_loading_quick():
     out = run("bench/finetune_loading.py", "--quick", "--dtype", "fp32").stdout
     rows = [line for line in out.splitlines() if line.startswith("| fp32 ")]
     assert len(rows) == 4 and "one copy" in rows[0] and "naive" in rows[3], out  # 2 ways x 2 ranks measured
+
+
+def test_finetune_packing_quick():
+    out = run("bench/finetune_packing.py", "--quick").stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in out.splitlines() if line.startswith("| pa")}
+    assert sorted(rows) == ["packed", "padded"], out
+    # The packed arm takes as many rows a step as hold the padded arm's examples: about the same tokens a step
+    padded, packed = (float(rows[arm][0].strip().replace(",", "")) for arm in ("padded", "packed"))
+    assert 0.75 < packed / padded < 1.33, out
+    assert "packed / padded, 1 rounds: steady non-padding tokens/s" in out
+
+
+def options(command: str) -> dict[str, str]:
+    """--name value pairs of a printed command line."""
+    import shlex
+
+    words = shlex.split(command)
+    return {w[2:]: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--") and
+            not words[i + 1].startswith("--")}
+
+
+def test_finetune_vs_trl_dry_run_gives_both_tools_the_same_training():
+    """Without TRL installed: the arms' commands train the same steps, batch, schedule, optimizer and precision,
+    and TRL's settings follow the template's own defaults (change one there and this fails)."""
+    import inspect
+
+    from conftest import load_template
+
+    from common.optim import warmup_cosine
+
+    lines = run("bench/finetune_vs_trl.py", "--dry-run", "--padding-free").stdout.splitlines()
+    assert len(lines) == 5 and all(line.startswith("accelerate launch -q --config_file accelerate_configs/cpu.yaml ")
+                                   for line in lines), lines
+    ours_padded, theirs_padded, ours_packed, theirs_packed, padding_free = map(options, lines)
+    assert all(" templates/finetune_causal_lm.py " in lines[i] for i in (0, 2))
+    assert all(" bench/trl_sft.py " in lines[i] for i in (1, 3, 4))
+    template = load_template("finetune_causal_lm")
+    config = template.Config()
+    assert "betas=(0.9, 0.95)" in inspect.getsource(template.main)
+    min_ratio = inspect.signature(warmup_cosine).parameters["min_ratio"].default
+    for ours, theirs in ((ours_padded, theirs_padded), (ours_packed, theirs_packed), (ours_padded, padding_free)):
+        for mine, trl in (("max_steps", "max_steps"), ("batch_size", "per_device_train_batch_size"),
+                          ("learning_rate", "learning_rate"), ("warmup_steps", "warmup_steps"), ("seed", "seed"),
+                          ("data_path", "dataset_name"), ("model", "model_name_or_path")):
+            assert ours[mine] == theirs[trl], (mine, ours, theirs)
+        assert theirs["max_grad_norm"] == str(config.grad_clip) and theirs["weight_decay"] == str(config.weight_decay)
+        assert (theirs["adam_beta1"], theirs["adam_beta2"]) == ("0.9", "0.95")
+        assert theirs["lr_scheduler_type"] == "cosine_with_min_lr"
+        assert theirs["lr_scheduler_kwargs"] == f'{{"min_lr_rate": {min_ratio}}}'
+        assert theirs["bf16"] == "false"  # the template trains in fp32 on the CPU
+        assert theirs["gradient_checkpointing"] == str(config.gradient_checkpointing).lower()
+        assert theirs["report_to"] == "none" and ours["tracker"] == "none"
+    assert ours_padded["max_length"] == theirs_padded["max_length"] == ours_packed["max_length"] == \
+        theirs_packed["max_length"]
+    assert ours_packed["packing"] == theirs_packed["packing"] == "true" and "packing" not in ours_padded
+    assert padding_free["padding_free"] == "true" and "packing" not in padding_free
 
 
 def test_gpu_dry_run_builds_the_commands():
