@@ -585,15 +585,19 @@ def reverse_data(tmp_path, tiny_model) -> tuple[str, ...]:
     return "--model", str(tiny_model), "--data_path", str(data)
 
 
-@pytest.mark.parametrize("template", ["image", "finetune"])
+@pytest.mark.parametrize("template", ["image", "lm", "finetune"])
 def test_the_export_waits_for_the_last_checkpoint_written_in_the_background(tmp_path, request, template):
-    """The last checkpoint (step 7 of the image run, at the epoch's end; step 4 of the fine-tuning run, at its
+    """The last checkpoint (step 7 of the image run, at the epoch's end; step 4 of the other runs, at their
     evaluation) is written in the background, and its write is held back (tests/fault_inject.py `slow_save`)
     until the template starts its export, or 5 s: a template that waits for the save (`ckpt.wait()`) exports
     after the checkpoint is published; one that does not exports while it is still being written. One process,
-    run directly: ~15 s (image) and ~20 s (fine-tuning) on 2 cores."""
+    run directly: ~15 s (image, language model) and ~20 s (fine-tuning) on 2 cores."""
     if template == "image":
         script, args, last = IMAGE, (*IMAGE_ARGS, "--epochs", "1", "--num_workers", "0"), 7
+    elif template == "lm":
+        script, last = LM, 4
+        args = (*LM_ARGS, "--data_path", str(write_tiny_corpus(tmp_path / "tiny.txt")), "--max_steps", str(last),
+                "--num_workers", "0", "--sample_tokens", "0")
     else:
         script, last = FT, 4
         args = (*FT_ARGS, *request.getfixturevalue("reverse_data"), "--max_steps", str(last), "--num_workers", "0",
