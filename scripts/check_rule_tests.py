@@ -42,7 +42,7 @@ DR = "tests/test_distributed_rules.py::"
 TD = "tests/test_data.py::"
 TC = "tests/test_checkpoint.py::"
 TA = "tests/test_accelerator.py::"
-IMAGE, LM = "templates/image_classification.py", "templates/language_model.py"
+IMAGE, LM, FT = "templates/image_classification.py", "templates/language_model.py", "templates/finetune_causal_lm.py"
 DATA, CHECKPOINT, TRACKING = "common/data.py", "common/checkpoint.py", "common/tracking.py"
 ACCELERATOR, BACKGROUND = "common/accelerator.py", "common/background_save.py"
 
@@ -63,6 +63,9 @@ ONCE = DR + "test_logging_and_printing_happen_once[{}]"
 COUNTED = DR + "test_evaluation_counts_every_validation_sample_once[{}]"
 LR_SCALED = DR + "test_learning_rate_is_scaled_with_the_world_size_as_asked[{}]"
 KILLS = TC + "test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_complete_checkpoints"
+TF = "tests/test_fault_tolerance.py::"
+ONE_RANK_ALONE = TF + "test_a_fault_on_one_rank_alone_stops_every_rank_at_the_same_step_with_the_same_exit_code[{}]"
+EXPORT_AFTER_SAVE = TF + "test_the_export_waits_for_the_last_checkpoint_written_in_the_background[{}]"
 OTHER_SETTINGS = ("tests/test_resume_policy.py::"
                   "test_every_option_refuses_a_resume_with_another_value_unless_it_may_change[{}]")
 image, lm = "image_classification", "language_model"
@@ -73,6 +76,8 @@ OPTIMIZER_STEP = "                optimizer.step()  # skipped by accelerate unti
 CLIP = "accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)"
 RESEED = "        set_seed(self.seed, device_specific=True)\n"  # CheckpointManager.resume, before it loads
 RUN_FILE = "        self._write_run_file()  # only now"
+EXPORT_WAIT = "ckpt.wait()  # the last checkpoint is on disk"  # the templates' wait before the export
+FLAGS_AGREED = "dist.all_reduce(flags, op=dist.ReduceOp.MAX)"  # PreemptionWatcher.check_step
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,12 @@ MUTATIONS = [
     mutation("background-failure-not-agreed", "checkpoints: a failed background save ends the run", ACCELERATOR,
              "        flags[2] = checkpoints is not None and checkpoints.write_failed()\n", "",
              tests=TC + "test_a_failed_background_write_ends_the_run_at_the_next_step"),
+    mutation("export-before-last-save-image", "checkpoints: export after the last save",
+             IMAGE, EXPORT_WAIT, "pass  # the last checkpoint is on disk", tests=EXPORT_AFTER_SAVE.format("image")),
+    mutation("export-before-last-save-lm", "checkpoints: export after the last save",
+             LM, EXPORT_WAIT, "pass  # the last checkpoint is on disk", tests=EXPORT_AFTER_SAVE.format("lm")),
+    mutation("export-before-last-save-ft", "checkpoints: export after the last save",
+             FT, EXPORT_WAIT, "pass  # the last checkpoint is on disk", tests=EXPORT_AFTER_SAVE.format("finetune")),
     mutation("deletion-keeps-progress-json", "checkpoints: atomic deletion", CHECKPOINT,
              "    (path / PROGRESS_FILE).unlink(missing_ok=True)\n    _fsync_dir(path)\n    shutil.rmtree(path)",
              "    shutil.rmtree(path)",
@@ -270,6 +281,18 @@ MUTATIONS = [
              "    if accelerator.is_main_process:\n        tensors, tied, seen = {}, {}, {}",
              "    if True:\n        tensors, tied, seen = {}, {}, {}",
              tests=MAIN_ONLY.format(lm)),
+    mutation("stop-and-finiteness-decided-alone", "loop: ranks agree on stop and finiteness",
+             ACCELERATOR, FLAGS_AGREED, "pass",
+             tests=ONE_RANK_ALONE.format("signal-rank1-fsdp")),
+    mutation("non-finite-gradients-decided-alone", "loop: ranks agree on stop and finiteness", ACCELERATOR, (
+        ("        flags[0] = ~torch.isfinite(grad_norm.detach().reshape(()))\n",
+         "        flags[0] = here = ~torch.isfinite(grad_norm.detach().reshape(()))\n"),
+        ("        return not non_finite\n", "        return not here.item()\n"),
+    ), tests=ONE_RANK_ALONE.format("nan-grad-rank1-ddp")),
+    mutation("another-ranks-stop-signal-ignored", "loop: ranks agree on stop and finiteness", ACCELERATOR,
+             "            self.received = next(signum for signum, rank in _RANK.items() if rank == local)\n",
+             "            pass\n",
+             tests=ONE_RANK_ALONE.format("signal-rank0-ddp")),
     mutation("lr-scaling-ignores-world-size", "distributed: LR scaling", LM,
              "scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)",
              "scale_learning_rate(cfg.learning_rate, 1, cfg.lr_scaling)",

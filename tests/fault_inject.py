@@ -21,12 +21,20 @@ steps of this session) and, on the chosen rank (default: every rank), at FAULT_S
     inf_loss   fp16 on the CPU: a torch.amp.GradScaler("cpu") is attached to the accelerator (accelerate
                makes none on CPU) and the loss of the first micro-batch of step FAULT_STEP is inf
     nan_loss   the loss of the first micro-batch of step FAULT_STEP is NaN (no scaler)
+    nan_grad   after the backward passes of step FAULT_STEP (the gradients synchronised across ranks), just
+               before clipping, the biggest gradient of this process is made NaN: a non-finite gradient on
+               this rank alone (under DDP the other ranks' gradients stay finite)
+    slow_save  the write phase of the first checkpoint save at a step >= FAULT_STEP (in the background: the
+               writer thread) waits until the template starts its export, or FAULT_SLOW_S seconds (default 5):
+               a template that exports without waiting for the save shows it in `events`
 
 FAULT_RECORD names a folder where each rank writes rank<R>.json at start (pid, the step it resumed
 from), after each write of status.json (how many it made: `status_writes`) and again at exit (exit code,
 the last optimizer step it finished); rank 0 also writes
 saves.json: for every checkpoint this session published, its files and folders as they were right
-after the save (tests/helpers.py `snapshot`: inode, size, mtime and sha256).
+after the save (tests/helpers.py `snapshot`: inode, size, mtime and sha256). `events`, in rank<R>.json, is what
+this process did in order: "published <checkpoint name>" (the main process) and "export" (when the template's
+export function was called).
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ RANK = int(os.environ.get("RANK", "0"))
 ACTS = os.environ.get("FAULT_RANK", str(RANK)) == str(RANK)
 RECORD = Path(os.environ["FAULT_RECORD"]) if os.environ.get("FAULT_RECORD") else None
 state = {"pid": os.getpid(), "rank": RANK, "resumed_step": None, "steps_done": None, "exit_code": None,
-         "status_writes": 0}
+         "status_writes": 0, "events": []}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -81,6 +89,12 @@ def record() -> None:
 def global_step() -> int:
     """The optimizer step about to be taken (1-based), counted over resumes."""
     return (state["resumed_step"] or 0) + calls["steps"] + 1
+
+
+def event(what: str) -> None:
+    with record_lock:
+        state["events"].append(what)
+    record()
 
 
 def die() -> None:
@@ -132,14 +146,20 @@ torch.optim.AdamW.step = step
 real_clip = Accelerator.clip_grad_norm_
 
 
-def clip_grad_norm_(self, *args, **kwargs):
+def clip_grad_norm_(self, parameters, *args, **kwargs):
+    parameters = list(parameters)  # a generator (model.parameters()) is read here and by the real clip
     # A stop signal arrives during the step (here: after its backward passes, before the optimizer step). The
     # ranks agree on stop signals in the step's check before the optimizer step, so they stop after this one.
     if ACTS and not calls["fired"] and FAULT in ("signal", "signal_launcher") and global_step() == AT:
         calls["fired"] = True
         target = os.getpid() if FAULT == "signal" else os.getppid()
         os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
-    return real_clip(self, *args, **kwargs)
+    if ACTS and not calls["fired"] and FAULT == "nan_grad" and global_step() == AT:
+        calls["fired"] = True
+        biggest = max((p for p in parameters if p.grad is not None), key=lambda p: p.numel())
+        with torch.no_grad():
+            biggest.grad.fill_(float("nan"))  # a DTensor under FSDP2: this rank's shard only
+    return real_clip(self, parameters, *args, **kwargs)
 
 
 Accelerator.clip_grad_norm_ = clip_grad_norm_
@@ -152,7 +172,13 @@ def save_step(output_dir) -> int:
     return int(Path(output_dir).name.rsplit("_", 1)[-1])  # .tmp-step_00000012 / .tmp-best_step_00000012
 
 
+export_started = threading.Event()
+
+
 def write_state(self, output_dir, *args, **kwargs):
+    if ACTS and not calls["fired"] and FAULT == "slow_save" and save_step(output_dir) >= AT:
+        calls["fired"] = True
+        export_started.wait(float(os.environ.get("FAULT_SLOW_S", "5")))  # a template that waits never sets it
     if ACTS and not calls["fired"] and FAULT in ("kill_save", "enospc") and save_step(output_dir) >= AT:
         calls["fired"] = True
         if FAULT == "enospc":
@@ -180,12 +206,23 @@ saves: dict[str, dict] = {}
 
 def publish(self, tmp, final, *args, **kwargs):
     real_publish(self, tmp, final, *args, **kwargs)
+    event(f"published {final.name}")
     if RECORD is not None and RANK == 0:
         saves[final.name] = snapshot(final)
         write_json(RECORD / "saves.json", saves)
 
 
 template.CheckpointManager._publish = publish
+
+# --- the export: the template's own function (export_weights, imported into it, or the fine-tuning export_model)
+for export_name in ("export_weights", "export_model"):
+    if hasattr(template, export_name):
+        def export(*args, real_export=getattr(template, export_name), **kwargs):
+            event("export")
+            export_started.set()
+            return real_export(*args, **kwargs)
+
+        setattr(template, export_name, export)
 
 # --- status.json: how often this process wrote it (only the main process may), recorded at once
 real_replace = os.replace
