@@ -92,7 +92,8 @@ class Cell:
 # One chain of faults per cell, one launch each, then a launch to the end. Each event's range lies
 # after the previous one's (a launcher's signal takes a step or two to arrive: a gap of 3), so every
 # restart resumes before the next fault strikes. Checkpoints: image every 2 steps and at each epoch
-# end (7 steps on one process, 4 on two); language model every 3 steps and at the evaluations (5, 10, 14).
+# end (7 steps on one process, 4 on two); language model every 3 steps and at the evaluations (5, 10, 14);
+# fine-tuning every 3 steps and at the evaluations (6, 12). Every template meets a NaN loss in one cell.
 CELLS = {
     "image-1proc": Cell(IMAGE, None, (Event("kill", 0, 2, 4), Event("nan_loss", 1, 5, 6), Event("enospc", 2, 7, 9),
                                       Event("kill_save", 3, 10, 12)),
@@ -108,8 +109,9 @@ CELLS = {
                    args=("--batch_size", "8", "--log_every_steps", "2")),  # off the checkpoint grid (every 3)
     "lm-fsdp": Cell(LM, "fsdp.yaml", (Event("kill", 14, 2, 6, rank=1), Event("kill_save", 15, 8, 12, rank=1)),
                     args=("--batch_size", "8")),
-    "ft-1proc": Cell(FT, "cpu.yaml", (Event("kill", 16, 2, 4), Event("kill_save", 17, 7, 9))),
-    "ft-lora-1proc": Cell(FT, "cpu.yaml", (Event("kill", 18, 4, 8),), args=FT_LORA),
+    "ft-1proc": Cell(FT, "cpu.yaml", (Event("kill", 16, 2, 4), Event("kill_save", 17, 7, 9),
+                                      Event("nan_loss", 21, 10, 11))),
+    "ft-lora-1proc": Cell(FT, "cpu.yaml", (Event("kill", 18, 4, 8), Event("nan_loss", 22, 10, 11)), args=FT_LORA),
     "ft-fsdp": Cell(FT, "fsdp.yaml", (Event("kill", 19, 2, 6, rank=1),), launcher=LLAMA_UNITS),
     "ft-fsdp-lora": Cell(FT, "fsdp.yaml", (Event("kill", 20, 4, 8, rank=0),), args=FT_LORA, launcher=LLAMA_UNITS),
 }
