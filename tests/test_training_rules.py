@@ -3,8 +3,10 @@ recording what it does: the order of zero_grad / backward / clip / step, train v
 gather_for_metrics in evaluation, non-finite losses stopping the run, loss accumulated as floats;
 and what those calls achieve: the gradient norm the optimizer sees, the logged loss, the order of the
 training samples epoch by epoch (also across a resume), every validation sample once and in order, a
-resume that ends bit-identical, splits whose contents never overlap. The rules that need two ranks are
-in test_distributed_rules.py; scripts/check_rule_tests.py breaks each rule by hand and runs these."""
+resume that ends bit-identical, splits that never share a sample (or a token position), the fine-tuning
+validation loss recomputed from the export. Every template runs each test (CASES: the fine-tuning one
+full and with LoRA). The rules that need two ranks are in test_distributed_rules.py;
+scripts/check_rule_tests.py breaks each rule by hand and runs these."""
 
 from __future__ import annotations
 
