@@ -193,7 +193,7 @@ MUTATIONS = [
     mutation("ft-no-clipping", "loop: clipping", FT, "cfg.grad_clip or math.inf)", "math.inf)",
              tests=CLIPPED.format("fp32-" + ft)),
     mutation("ft-loss-accumulated-with-graph", "loop: loss.item()", FT,
-             "state.interval_loss_sum += loss.detach()", "state.interval_loss_sum += loss",
+             "step_sums += torch.stack([loss.detach(), ", "step_sums += torch.stack([loss, ",
              tests=NO_GRAPH.format(ft)),
     mutation("ft-validation-loss-over-every-token", "evaluation: the loss the template reports", FT,
              '(batch["labels"][:, 1:] != IGNORE).sum(1)', 'batch["attention_mask"][:, 1:].sum(1)',

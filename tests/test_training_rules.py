@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import sys
 import json
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ import common.data as data_module
 
 sys.path.insert(0, str(REPO / "scripts"))
 from make_tiny_model import reverse_task  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Case:
@@ -357,16 +358,19 @@ def test_the_optimizer_sees_gradients_clipped_to_grad_clip(case, precision, tmp_
 @pytest.mark.parametrize("template", sorted(CASES))
 def test_logged_training_loss_is_the_float_mean_of_its_micro_batches(case, tmp_path, monkeypatch, fresh_accelerate):
     """What is logged is a Python float, the mean of the micro-batch losses since the last log (summed on
-    the device in float32, so equal to the float mean up to float32 rounding)."""
+    the device in float32, so equal to the float mean up to float32 rounding). A template whose loss is a sum
+    over target tokens (fine-tuning: every token of a step weighs the same) logs the mean over those tokens."""
     from common.tracking import Tracker
 
-    losses, logged = [], []
+    losses, logged = [], []  # (loss, what it weighs: its target tokens if a sum, else 1) per training micro-batch
     real_cross_entropy, real_log = torch.nn.functional.cross_entropy, Tracker.log
 
     def cross_entropy(*args, **kwargs):
         loss = real_cross_entropy(*args, **kwargs)
         if torch.is_grad_enabled():  # training micro-batches only
-            losses.append(loss.item())
+            targets = args[1] if len(args) > 1 else kwargs["target"]
+            summed = kwargs.get("reduction", "mean") == "sum"
+            losses.append((loss.item(), (targets != kwargs.get("ignore_index", -100)).sum().item() if summed else 1))
         return loss
 
     def log(self, metrics, step):
@@ -380,8 +384,10 @@ def test_logged_training_loss_is_the_float_mean_of_its_micro_batches(case, tmp_p
     assert len(records) >= 3
     previous = 0
     for step, value in records:
+        interval = losses[previous:step]
         assert type(value) is float, f"step {step}: logged {type(value).__name__}, not float"
-        assert value == pytest.approx(sum(losses[previous:step]) / (step - previous), rel=1e-6), step
+        assert value == pytest.approx(sum(loss for loss, _ in interval) / sum(weight for _, weight in interval),
+                                      rel=1e-6), step
         previous = step
 
 
