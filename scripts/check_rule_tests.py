@@ -135,7 +135,7 @@ MUTATIONS = [
              "train, val = TokenWindows(data, cfg.block_size, 0, cut), ",
              "train, val = TokenWindows(data, cfg.block_size, 0, cut + 4 * cfg.block_size), ",
              tests=DISJOINT.format("text-file")),
-    mutation("text-tail-split-overlapping-by-3-tokens", "loaders: disjoint splits", LM,
+    mutation("text-split-overlapping-by-3-tokens", "loaders: disjoint splits", LM,
              "TokenWindows(data, cfg.block_size, cut, len(data))",
              "TokenWindows(data, cfg.block_size, (cut - 1) // cfg.block_size * cfg.block_size - 2, len(data))",
              tests=DISJOINT.format("text-file")),
