@@ -62,13 +62,15 @@ MAIN_ONLY = DR + "test_export_and_progress_bar_on_the_main_process_only[{}]"
 ONCE = DR + "test_logging_and_printing_happen_once[{}]"
 COUNTED = DR + "test_evaluation_counts_every_validation_sample_once[{}]"
 LR_SCALED = DR + "test_learning_rate_is_scaled_with_the_world_size_as_asked[{}]"
+VAL_LOSS = TR + "test_finetune_validation_loss_is_the_exported_models_mean_over_completion_tokens[{}]"
+PINNED = TD + "test_build_loaders_pins_memory_for_training_and_evaluation_on_a_gpu"
 KILLS = TC + "test_a_kill_at_any_point_of_saving_publishing_or_deleting_leaves_only_complete_checkpoints"
 TF = "tests/test_fault_tolerance.py::"
 ONE_RANK_ALONE = TF + "test_a_fault_on_one_rank_alone_stops_every_rank_at_the_same_step_with_the_same_exit_code[{}]"
 EXPORT_AFTER_SAVE = TF + "test_the_export_waits_for_the_last_checkpoint_written_in_the_background[{}]"
 OTHER_SETTINGS = ("tests/test_resume_policy.py::"
                   "test_every_option_refuses_a_resume_with_another_value_unless_it_may_change[{}]")
-image, lm = "image_classification", "language_model"
+image, lm, ft, ft_lora = "image_classification", "language_model", "finetune_causal_lm", "finetune_causal_lm_lora"
 
 TRAIN_STEP = ("            optimizer.zero_grad(set_to_none=True)"
               "  # accelerate makes this a no-op inside an accumulation window\n")
@@ -140,6 +142,14 @@ MUTATIONS = [
              "train, val = TokenWindows(data, cfg.block_size, 0, cut), ",
              "train, val = TokenWindows(data, cfg.block_size, 0, cut + 4 * cfg.block_size), ",
              tests=DISJOINT.format("text-file")),
+    mutation("text-split-overlapping-by-3-tokens", "loaders: disjoint splits", LM,
+             "TokenWindows(data, cfg.block_size, cut, len(data))",
+             "TokenWindows(data, cfg.block_size, (cut - 1) // cfg.block_size * cfg.block_size - 2, len(data))",
+             tests=DISJOINT.format("text-file")),
+    mutation("loaders-built-for-the-cpu-on-a-gpu", "loaders: pin_memory with a GPU", DATA,
+             "device=accelerator.device, rank=accelerator.process_index,",
+             'device=torch.device("cpu"), rank=accelerator.process_index,',
+             tests=PINNED),
     mutation("overlapping-text-folder-split", "loaders: disjoint splits", LM,
              "train = TokenWindows(read_text_files([files[i] for i in train_idx]), cfg.block_size)",
              "train = TokenWindows(read_text_files(files), cfg.block_size)",
@@ -181,6 +191,20 @@ MUTATIONS = [
     mutation("no-accelerator-accumulate", "loop: accelerator.accumulate", IMAGE,
              "            with accelerator.accumulate(model):", "            if True:",
              tests=STEP_ORDER.format("2-" + image)),
+    mutation("ft-no-model-train-after-eval", "loop: train/eval modes", FT,
+             "        tokens += int(counts.sum().item())\n    model.train()\n",
+             "        tokens += int(counts.sum().item())\n",
+             tests=MODES.format(ft_lora)),  # LoRA: its dropout stays off for the rest of the run
+    mutation("ft-no-zero-grad", "loop: zero_grad at the start", FT, TRAIN_STEP, "",
+             tests=STEP_ORDER.format("1-" + ft)),
+    mutation("ft-no-clipping", "loop: clipping", FT, "cfg.grad_clip or math.inf)", "math.inf)",
+             tests=CLIPPED.format("fp32-" + ft)),
+    mutation("ft-loss-accumulated-with-graph", "loop: loss.item()", FT,
+             "step_sums += torch.stack([loss.detach(), ", "step_sums += torch.stack([loss, ",
+             tests=NO_GRAPH.format(ft)),
+    mutation("ft-validation-loss-over-every-token", "evaluation: the loss the template reports", FT,
+             '(batch["labels"][:, 1:] != IGNORE).sum(1)', 'batch["attention_mask"][:, 1:].sum(1)',
+             tests=VAL_LOSS.format(ft)),
     # --- mixed precision
     mutation("fp16-where-bf16-exists", "mixed precision", "common/accelerator.py",
              'return "bf16" if has_bf16 else "fp16"', 'return "fp16"',
@@ -189,6 +213,10 @@ MUTATIONS = [
              "if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:",
              "if not preemption.check_step(grad_norm, ckpt) and False:",
              tests=NON_FINITE.format(lm)),
+    mutation("ft-non-finite-loss-trained-on", "mixed precision: non-finite stops", FT,
+             "if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:",
+             "if not preemption.check_step(grad_norm, ckpt) and False:",
+             tests=NON_FINITE.format(ft)),
     mutation("fp16-overflow-stops-the-run", "mixed precision: fp16 overflow skipped", IMAGE,
              "if not preemption.check_step(grad_norm, ckpt) and accelerator.scaler is None:",
              "if not preemption.check_step(grad_norm, ckpt):",

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, RandomSampler, SequentialSampler, TensorDa
 from common.accelerator import build_accelerator
 from common.data import (
     build_loader,
+    build_loaders,
     default_num_workers,
     seed_worker,
     split_by_key,
@@ -76,6 +77,18 @@ def test_evaluation_loader_keeps_order_and_every_sample():
 def test_pin_memory_only_for_a_gpu(device, pinned):
     # Only built, never iterated, so a "cuda" device needs no GPU here.
     assert build_loader(indices(4), batch_size=2, train=True, seed=0, device=torch.device(device)).pin_memory is pinned
+
+
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
+def test_build_loaders_pins_memory_for_training_and_evaluation_on_a_gpu(device, pinned, monkeypatch, fresh_accelerate):
+    """What the templates call: both loaders, as accelerate prepared them, pin memory where the accelerator's
+    device is a GPU. The device is faked (a CPU Accelerator that says cuda): the loaders are built, never iterated."""
+    accelerator = build_accelerator(seed=0)
+    monkeypatch.setattr(type(accelerator), "device", property(lambda self: torch.device(device)))
+    train, val, _ = build_loaders(accelerator, indices(16), indices(6), batch_size=4, seed=0, num_workers=0,
+                                  what="samples")
+    assert train.device == torch.device(device)  # the prepared loaders were made for that device
+    assert train.pin_memory is pinned and val.pin_memory is pinned
 
 
 def test_worker_settings():

@@ -92,7 +92,8 @@ class Cell:
 # One chain of faults per cell, one launch each, then a launch to the end. Each event's range lies
 # after the previous one's (a launcher's signal takes a step or two to arrive: a gap of 3), so every
 # restart resumes before the next fault strikes. Checkpoints: image every 2 steps and at each epoch
-# end (7 steps on one process, 4 on two); language model every 3 steps and at the evaluations (5, 10, 14).
+# end (7 steps on one process, 4 on two); language model every 3 steps and at the evaluations (5, 10, 14);
+# fine-tuning every 3 steps and at the evaluations (6, 12). Every template meets a NaN loss in one cell.
 CELLS = {
     "image-1proc": Cell(IMAGE, None, (Event("kill", 0, 2, 4), Event("nan_loss", 1, 5, 6), Event("enospc", 2, 7, 9),
                                       Event("kill_save", 3, 10, 12)),
@@ -108,11 +109,17 @@ CELLS = {
                    args=("--batch_size", "8", "--log_every_steps", "2")),  # off the checkpoint grid (every 3)
     "lm-fsdp": Cell(LM, "fsdp.yaml", (Event("kill", 14, 2, 6, rank=1), Event("kill_save", 15, 8, 12, rank=1)),
                     args=("--batch_size", "8")),
-    "ft-1proc": Cell(FT, "cpu.yaml", (Event("kill", 16, 2, 4), Event("kill_save", 17, 7, 9))),
-    "ft-lora-1proc": Cell(FT, "cpu.yaml", (Event("kill", 18, 4, 8),), args=FT_LORA),
+    "ft-1proc": Cell(FT, "cpu.yaml", (Event("kill", 16, 2, 4), Event("kill_save", 17, 7, 9),
+                                      Event("nan_loss", 21, 10, 11))),
+    "ft-lora-1proc": Cell(FT, "cpu.yaml", (Event("kill", 18, 4, 8), Event("nan_loss", 22, 10, 11)), args=FT_LORA),
     "ft-fsdp": Cell(FT, "fsdp.yaml", (Event("kill", 19, 2, 6, rank=1),), launcher=LLAMA_UNITS),
     "ft-fsdp-lora": Cell(FT, "fsdp.yaml", (Event("kill", 20, 4, 8, rank=0),), args=FT_LORA, launcher=LLAMA_UNITS),
 }
+
+
+# fp16 on the CPU with a loss scaler and an inf loss at step 3, per template: (template, options beyond the
+# cell's, optimizer steps of the run, --stop_after_steps of a first launch that a second resumes, or None)
+FP16 = {"image": (IMAGE, (), 14, 5), "lm": (LM, ("--batch_size", "16"), 14, None), "ft": (FT, (), 12, None)}
 
 
 def cells_with(*faults: str) -> list[str]:
@@ -267,7 +274,6 @@ def runs(tmp_path_factory, tiny_model):
 
     (root / "tiny_model").symlink_to(tiny_model)  # what cell_args names for the fine-tuning cells
     (root / "reverse.jsonl").write_text("".join(json.dumps(e) + "\n" for e in reverse_task(120)))
-    lm_args = (*LM_ARGS, "--data_path", str(corpus), "--batch_size", "16")
 
     def job(name: str, root: Path):
         root.mkdir(parents=True)
@@ -275,17 +281,18 @@ def runs(tmp_path_factory, tiny_model):
             return run_chain(name, root, corpus)
         if name == "hung-rank":
             return hung_rank(root)
-        template, args = (IMAGE, IMAGE_ARGS) if name.endswith("image") else (LM, lm_args)
         if name.startswith("fp16"):  # the image run stops after 5 steps and resumes, still on fp16 with its scaler
-            stop = ("--stop_after_steps", "5") if template == IMAGE else ()
+            template, extra, _, stop_after = FP16[name.removeprefix("fp16-")]
+            args = cell_args(Cell(template, None, (), args=extra), corpus)
+            stop = ("--stop_after_steps", str(stop_after)) if stop_after else ()
             first = one_run(template, None, root, (*args, *stop), {"FAULT": "inf_loss", "FAULT_STEP": 3})
             again = one_run(template, None, root, args, {"FAULT": "inf_loss", "FAULT_STEP": 0}) if stop else None
             return first, again
         raise AssertionError(name)
 
     # The hung rank mostly waits: it starts first, beside the longest chain.
-    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc", "fp16-image",
-             "fp16-lm", "ft-fsdp", "ft-1proc", "ft-fsdp-lora", "ft-lora-1proc"]
+    order = ["hung-rank", "lm-1proc", "image-ddp", "lm-ddp", "lm-fsdp", "image-fsdp", "image-1proc",
+             *[f"fp16-{template}" for template in FP16], "ft-fsdp", "ft-1proc", "ft-fsdp-lora", "ft-lora-1proc"]
     if os.environ.get("FAULT_JOBS"):  # e.g. FAULT_JOBS=image-ddp,hung-rank: only these (the other tests then fail)
         order = [name for name in order if name in os.environ["FAULT_JOBS"].split(",")]
 
@@ -626,10 +633,11 @@ def test_hung_rank_ends_the_job_within_timeout_s_with_one_clear_line(runs):
 
 
 # ----------------------------------------------------------------------------------- fp16 overflow
-@pytest.mark.parametrize("template", ["image", "lm"])
+@pytest.mark.parametrize("template", list(FP16))
 def test_fp16_overflow_is_skipped_by_the_scaler_counted_and_training_goes_on(runs, template):
     """fp16 on the CPU: tests/fault_inject.py attaches torch.amp.GradScaler("cpu"), as accelerate does on GPUs."""
     first, second = get(runs, f"fp16-{template}")
+    steps = FP16[template][2]
     out = Path(first.result.args[-1])
     assert first.result.returncode == 0, show(first)
     # skipped steps are no failure: the run ends as any other (the image run stopped for its resume first)
@@ -638,12 +646,12 @@ def test_fp16_overflow_is_skipped_by_the_scaler_counted_and_training_goes_on(run
         assert second.result.returncode == 0 and "resumed from" in second.result.stdout, show(second)
         assert second.status["state"] == "finished" and second.status["exit_code"] == 0, second.status
     logged = {r["step"]: r for r in read_metrics(out) if "train/skipped_steps" in r}
-    assert sorted(logged) == list(range(1, 15))
+    assert sorted(logged) == list(range(1, steps + 1))
     # counted (image: over a resume)
-    assert [logged[s]["train/skipped_steps"] for s in range(1, 15)] == [0, 0] + [1] * 12
+    assert [logged[s]["train/skipped_steps"] for s in range(1, steps + 1)] == [0, 0] + [1] * (steps - 2)
     assert logged[3]["train/loss"] is None  # the inf, written as null
     assert all(logged[s]["train/loss"] is not None and math.isfinite(logged[s]["train/loss"]) for s in logged if s != 3)
     # the scaler's state is checkpointed
     assert all((p / "scaler.pt").is_file() for p in (out / "checkpoints").iterdir())
-    weights = load_file(str(out / "model.safetensors"))
+    weights = load_file(exported_weights(out))
     assert all(torch.isfinite(t).all() for t in weights.values())

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import (REPO, assert_one_host_sync_per_ordinary_step, clean_env, host_syncs_per_step, launch,
-                      load_template, start_clean_accelerate)
+from conftest import REPO, clean_env, launch, load_template, start_clean_accelerate
 
 TEMPLATE = REPO / "templates" / "finetune_causal_lm.py"
 sys.path.insert(0, str(REPO / "scripts"))
@@ -424,20 +423,6 @@ def test_bad_input_run_as_a_program_prints_only_the_error_line(tmp_path, tiny_mo
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [f"error: {data} line 1: empty completion: nothing to learn"]
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_at_most_one_host_sync_per_optimizer_step(lora, tmp_path, tiny_model, monkeypatch, fresh_accelerate):
-    """The loop reads a device value on the host once per ordinary step (tests/test_training_rules.py).
-    transformers' own attention-mask code reads the padding mask in each forward (to skip building the
-    mask when nothing is padded): that read is the library's, not the loop's, and is not counted."""
-    data = write_jsonl(tmp_path / "data.jsonl", reverse_task(120))
-    windows = host_syncs_per_step(monkeypatch, libraries=("transformers",))
-    ft().main(["--model", str(tiny_model), "--data_path", str(data), "--output_dir", str(tmp_path / "run"),
-               "--tracker", "none", "--max_steps", "6", "--batch_size", "8", "--gradient_accumulation_steps", "2",
-               "--log_every_steps", "1000", "--eval_every_steps", "0", "--sample_tokens", "0",
-               *(["--lora_r", "4"] if lora else [])])
-    assert_one_host_sync_per_ordinary_step(windows)
 
 
 def test_early_stopping_ends_the_run_and_exports_the_best_weights_and_a_rerun_trains_no_further(
