@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
                                 metric="val/loss", mode="min")
     # Where the manager's save time goes: accelerate's save_state, and the fsync of the folder.
     parts: dict[str, list[float]] = {"save_state": [], "fsync": []}
-    real_save_state, real_fsync_tree = accelerator.save_state, checkpoint_module._fsync_tree
+    real_save_state, real_fsync_tree = accelerator.save_state, checkpoint_module.fsync_tree
 
     def timed(store, fn):
         def wrapper(*a, **k):
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         return wrapper
 
     accelerator.save_state = timed(parts["save_state"], real_save_state)
-    checkpoint_module._fsync_tree = timed(parts["fsync"], real_fsync_tree)
+    checkpoint_module.fsync_tree = timed(parts["fsync"], real_fsync_tree)
     times: dict[str, list[float]] = {
         k: [] for k in ("manager save", "torch.save", "torch.save + fsync + rename", "manager resume", "torch.load")
     }
@@ -248,11 +248,11 @@ def main(argv: list[str] | None = None) -> None:
                     torch_load(workdir / "durable.pt", model, optimizer, scheduler)
                 times[what].append(time.perf_counter() - start)
             print(f"  repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
-        accelerator.save_state, checkpoint_module._fsync_tree = real_save_state, real_fsync_tree
+        accelerator.save_state, checkpoint_module.fsync_tree = real_save_state, real_fsync_tree
         stall = stall_runs(accelerator, model, optimizer, scheduler, workdir, args.stall_steps, args.stall_every,
                            args.stall_repeats, args.stall_batch, args.block_size)
     finally:
-        accelerator.save_state, checkpoint_module._fsync_tree = real_save_state, real_fsync_tree
+        accelerator.save_state, checkpoint_module.fsync_tree = real_save_state, real_fsync_tree
         shutil.rmtree(workdir, ignore_errors=True)
         harness.reset_accelerate()
 

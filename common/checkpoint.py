@@ -5,7 +5,7 @@ Layout of `<output_dir>`:
     checkpoints/step_00000120/    periodic checkpoints (the last `keep_last` are kept)
     checkpoints/best_step_00000100/  the best one by the chosen metric (only the newest is kept)
     checkpoints/.tmp-*            a save in progress, or one a crash interrupted (never resumed from)
-    model.safetensors             the final export: plain weights, loadable without accelerate
+    model.safetensors             the final export (`common.export`): plain weights, loadable without accelerate
 
 A checkpoint folder is written under a `.tmp-` name by all ranks and renamed to its final name by
 the main process only after every rank finished and `progress.json` was written and synced, so a
@@ -41,11 +41,11 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from common.config import RunOptions, config_to_dict, may_change_on_resume
 from common.background_save import BackgroundSave, HostCopy, Snapshot, cannot_mirror, snapshot_state
 from common.errors import SaveError, UsageError, is_rank_lost, one_line
+from common.export import fsync_file, fsync_tree
 from common.pickle_allowlist import check_pickles
 
 PROGRESS_FILE = "progress.json"
@@ -406,7 +406,7 @@ class CheckpointManager:
         """`progress.json` last, everything synced, then one rename: a folder with a final name is complete."""
         _write_json(tmp / PROGRESS_FILE, meta)
         # Linked files are the twin's, already synced when it was saved; their folders are new.
-        _fsync_tree(tmp, files=twin is None)
+        fsync_tree(tmp, files=twin is None)
         if final.exists():
             _remove_checkpoint(final)
         os.replace(tmp, final)
@@ -547,105 +547,6 @@ def read_progress(path: Path) -> dict:
     return meta
 
 
-# ----------------------------------------------------------------------------------------- export
-def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str | os.PathLike,
-                   info: dict | None = None) -> Path:
-    """Save the trained weights as one safetensors file that loads into the plain model.
-
-    Call on every rank: under FSDP the full state dict is gathered from the shards. Tied tensors
-    (an embedding shared with the output layer) are stored once and named in the metadata, and so is
-    `info` (JSON): what rebuilding and using the model needs, read back with `export_info`.
-    """
-    path = Path(path)
-    state_dict = accelerator.get_state_dict(model)
-    failure = None
-    if accelerator.is_main_process:
-        tensors, tied, seen = {}, {}, {}
-        for key, tensor in state_dict.items():
-            ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if ptr in seen:
-                tied[key] = seen[ptr]
-                continue
-            seen[ptr] = key
-            tensors[key] = tensor.detach().to("cpu").contiguous()
-        tmp = path.with_name(f".tmp-{path.name}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            metadata = {"format": "pt", "tied": json.dumps(tied)} | ({"info": json.dumps(info)} if info else {})
-            save_file(tensors, str(tmp), metadata=metadata)
-            _fsync_file(tmp)
-            os.replace(tmp, path)
-        except OSError as error:
-            failure = _reason(error)
-            tmp.unlink(missing_ok=True)  # the export is one file: free its space, nothing else refers to it
-    check_export(accelerator, path, failure)
-    return path
-
-
-def check_export(accelerator: Accelerator, path: str | os.PathLike, failure: str | None) -> None:
-    """After the main process wrote an export (`failure`: what went wrong there, or None), every rank
-    learns whether it worked; a failure ends the run on all of them with a SaveError."""
-    if accelerator.num_processes > 1 and dist.is_initialized():
-        holder = [failure]
-        broadcast_object_list(holder)
-        failure = holder[0]
-    if failure is not None:
-        raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
-                        "so --resume auto writes it again")
-
-
-def export_info(path: str | os.PathLike) -> dict:
-    """What an export says about its model (e.g. the model's constructor arguments and class names), or {}."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            return json.loads((handle.metadata() or {}).get("info", "{}"))
-    except (OSError, SafetensorError, ValueError) as error:
-        raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
-
-
-def exported_model(init_from: str | os.PathLike) -> Path:
-    """The export `--init_from` names: a model.safetensors file, or a finished run's folder (its model.safetensors)."""
-    path = Path(init_from)
-    if path.is_dir():
-        if not (path / "model.safetensors").is_file():
-            raise UsageError(f"--init_from {init_from}: no model.safetensors in this folder (a run writes it when it "
-                             "finishes); pass a finished run's folder or its model.safetensors")
-        return path / "model.safetensors"
-    if not path.is_file():
-        raise UsageError(f"--init_from {init_from}: no such file or folder")
-    return path
-
-
-def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
-    """Load an export from `export_weights` into a plain (unwrapped) model, refusing any mismatch."""
-    path = Path(path)
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            tied = json.loads((handle.metadata() or {}).get("tied", "{}"))
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError, ValueError) as error:
-        raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
-    expected = model.state_dict()
-    for key, source in tied.items():
-        if source in tensors:
-            tensors[key] = tensors[source]
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    wrong = [k for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        detail = (
-            f"shape of {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model has {tuple(expected[wrong[0]].shape)}"
-            if wrong
-            else f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-        raise UsageError(f"{path} does not fit this model: {detail}")
-    model.load_state_dict(tensors)
-
-
 # -------------------------------------------------------------------------------------- pickles
 RNG_PREFIX = "random_states_"
 def _wrapped(error: BaseException) -> list[BaseException]:
@@ -690,26 +591,9 @@ def _remove_checkpoint(path: Path) -> None:
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    _fsync_file(tmp)
+    fsync_file(tmp)
     os.replace(tmp, path)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)
-
-
-def _fsync_tree(root: Path, files: bool = True) -> None:
-    """Flush every folder (and, unless told not to, every file) below `root`, so the rename that
-    follows publishes finished data."""
-    for folder, _, names in os.walk(root):
-        for name in names if files else ():
-            _fsync_file(Path(folder) / name)
-        _fsync_dir(Path(folder))
+    fsync_file(path)

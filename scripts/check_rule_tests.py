@@ -44,7 +44,7 @@ TC = "tests/test_checkpoint.py::"
 TA = "tests/test_accelerator.py::"
 IMAGE, LM, FT = "templates/image_classification.py", "templates/language_model.py", "templates/finetune_causal_lm.py"
 DATA, CHECKPOINT, TRACKING = "common/data.py", "common/checkpoint.py", "common/tracking.py"
-ACCELERATOR, BACKGROUND = "common/accelerator.py", "common/background_save.py"
+ACCELERATOR, BACKGROUND, EXPORT = "common/accelerator.py", "common/background_save.py", "common/export.py"
 
 EPOCH_ORDER = TR + "test_each_epoch_has_the_shuffle_that_seed_and_epoch_fix_also_after_a_resume[{}]"
 VAL_ORDER = TR + "test_every_evaluation_sees_each_validation_sample_once_in_order[{}]"
@@ -305,9 +305,9 @@ MUTATIONS = [
     mutation("progress-bar-on-every-rank", "distributed: progress bar on main", TRACKING,
              "disable=not accelerator.is_main_process)", "disable=False)",
              tests=MAIN_ONLY.format(image)),
-    mutation("export-written-by-every-rank", "distributed: final saves on main", CHECKPOINT,
-             "    if accelerator.is_main_process:\n        tensors, tied, seen = {}, {}, {}",
-             "    if True:\n        tensors, tied, seen = {}, {}, {}",
+    mutation("export-written-by-every-rank", "distributed: final saves on main", EXPORT,
+             '    if accelerator.is_main_process:\n        tmp = path.with_name(f".tmp-{path.name}")',
+             '    if True:\n        tmp = path.with_name(f".tmp-{path.name}")',
              tests=MAIN_ONLY.format(lm)),
     mutation("stop-and-finiteness-decided-alone", "loop: ranks agree on stop and finiteness",
              ACCELERATOR, FLAGS_AGREED, "pass",

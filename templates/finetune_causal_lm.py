@@ -22,9 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -44,13 +42,15 @@ THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.
 
 from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import CheckpointManager, check_export  # noqa: E402
+from common.checkpoint import CheckpointManager  # noqa: E402
 from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
 from common.data import build_loaders, split_by_key  # noqa: E402
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
+from common.export import publish_export  # noqa: E402
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
                           warmup_cosine, weight_decay_groups)
 from common.data import PackedCollate, PackedExamples, unpackable  # noqa: E402
+from common.pretrained import keep_only_trained_in_checkpoints, shard_and_broadcast  # noqa: E402
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 hand_back(THEIRS, imported=__name__ != "__main__")
@@ -424,8 +424,8 @@ def load_model(cfg: Config, accelerator, config):
     """The pretrained model, adapted for training (LoRA, gradient checkpointing, compile).
 
     Under FSDP only rank 0 reads the weights: every rank builds the model on the meta device, shards it, and
-    rank 0 broadcasts its weights into each rank's shard (`shard_and_broadcast`), so a machine holds one full
-    copy while loading instead of one per rank.
+    rank 0 broadcasts its weights into each rank's shard (`common.pretrained.shard_and_broadcast`), so a machine
+    holds one full copy while loading instead of one per rank.
     """
     from accelerate import init_empty_weights
     from accelerate.utils import DistributedType
@@ -469,66 +469,6 @@ def adapt_for_training(model, cfg: Config):
             if type(module).__name__ in (getattr(model, "_no_split_modules", None) or []):
                 module.compile()
     return model
-
-
-def shard_and_broadcast(model, full_state: dict, accelerator) -> None:
-    """FSDP2 on a meta model: one unit per layer class of the launch config (fsdp_transformer_layer_cls_to_wrap)
-    plus the root, local shards allocated, then filled from rank 0's full state dict by broadcast.
-
-    accelerate's own cpu_ram_efficient_loading keeps each received full tensor alive behind its shard (a view):
-    measured 0.83-0.90x of the model per rank on 2 ranks instead of ~0.5x (bench/finetune_loading.py).
-    `accelerator.prepare` then takes the sharded model as it is.
-    """
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    plugin = accelerator.state.fsdp_plugin
-    plugin.set_auto_wrap_policy(model)  # refuses a layer class the model does not have
-    is_unit = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    options = dict(offload_policy=plugin.cpu_offload, mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
-    for module in reversed(list(model.modules())):  # innermost first
-        if module is not model and is_unit is not None and is_unit(module):
-            fully_shard(module, reshard_after_forward=plugin.reshard_after_forward, **options)
-    fully_shard(model, **options)
-    computed = {}  # non-persistent buffers (rotary inv_freq): not in any state dict, garbage after to_empty
-    for prefix, module in model.named_modules():
-        for name in module._non_persistent_buffers_set:
-            computed[f"{prefix}.{name}" if prefix else name] = module.get_buffer(name).clone()
-    model.to_empty(device=accelerator.device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    full_state.clear()
-    for name, value in computed.items():
-        model.get_buffer(name).copy_(value)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-
-
-def keep_adapter_only_in_checkpoints(accelerator, model) -> None:
-    """LoRA: a checkpoint holds the trained parameters (the adapter) and their optimizer state, not the frozen base.
-
-    Under FSDP accelerate writes each rank's shard of the whole model itself (these hooks do not see it).
-    """
-    trained = {name for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
-
-    def save_hook(models, weights, output_dir):
-        for state_dict in weights:
-            for key in [k for k in state_dict if k.removeprefix("module.") not in trained]:
-                del state_dict[key]
-
-    def load_hook(models, input_dir):
-        from safetensors.torch import load_file
-
-        for wrapped in models:
-            state_dict = {k.removeprefix("module."): v for k, v in load_file(f"{input_dir}/model.safetensors").items()}
-            result = accelerator.unwrap_model(wrapped).load_state_dict(state_dict, strict=False)
-            if result.unexpected_keys or trained - set(state_dict):
-                raise ValueError(f"adapter checkpoint does not fit: unexpected {result.unexpected_keys[:3]}, "
-                                 f"missing {sorted(trained - set(state_dict))[:3]}")
-        models.clear()  # loaded here: accelerate must not load them again, strictly
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
 
 
 # ----------------------------------------------------------------------------- evaluation, export
@@ -598,45 +538,38 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
     """save_pretrained (safetensors) + tokenizer, loadable without accelerate; under FSDP gathered on the main process.
     LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written atomically."""
     state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
-    failure = None
-    if accelerator.is_main_process:
-        tmp = folder.with_name(f".tmp-{folder.name}")
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            unwrapped = accelerator.unwrap_model(model)
-            if cfg.lora_r and cfg.merge_lora:  # merged on a plain CPU copy: the trained model may be sharded
-                from peft import get_peft_model
-                from transformers import AutoModelForCausalLM
 
-                base_config = unwrapped.get_base_model().config
-                plain = get_peft_model(AutoModelForCausalLM.from_config(base_config, dtype=torch.float32),
-                                       unwrapped.peft_config["default"])
-                plain.load_state_dict({k: v.float() for k, v in state_dict.items()})
-                plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
-            else:
-                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            adapter_file = tmp / "adapter_config.json"
-            if adapter_file.is_file() and Path(cfg.model).is_dir():  # a local base model by its absolute path, so
-                saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
-                saved["base_model_name_or_path"] = str(Path(cfg.model).resolve())
-                adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
-            config_file = tmp / "config.json"
-            if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
-                saved = json.loads(config_file.read_text())
-                saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
-                saved["use_cache"] = True
-                config_file.write_text(json.dumps(saved, indent=2) + "\n")
-            generation = base_generation_config(cfg.model)
-            if generation is not None:  # the base's sampling defaults and stop ids: a merged or FSDP model was
-                generation.use_cache = True  # rebuilt from its config; gradient checkpointing turned the cache off
-                generation.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(tmp, folder)
-        except OSError as error:
-            failure = f"{type(error).__name__}: {error}"
-    check_export(accelerator, folder, failure)  # every rank learns whether it worked
-    return folder
+    def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
+        unwrapped = accelerator.unwrap_model(model)
+        if cfg.lora_r and cfg.merge_lora:  # merged on a plain CPU copy: the trained model may be sharded
+            from peft import get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            base_config = unwrapped.get_base_model().config
+            plain = get_peft_model(AutoModelForCausalLM.from_config(base_config, dtype=torch.float32),
+                                   unwrapped.peft_config["default"])
+            plain.load_state_dict({k: v.float() for k, v in state_dict.items()})
+            plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        adapter_file = tmp / "adapter_config.json"
+        if adapter_file.is_file() and Path(cfg.model).is_dir():  # a local base model by its absolute path, so
+            saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
+            saved["base_model_name_or_path"] = str(Path(cfg.model).resolve())
+            adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
+        config_file = tmp / "config.json"
+        if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
+            saved = json.loads(config_file.read_text())
+            saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
+            saved["use_cache"] = True
+            config_file.write_text(json.dumps(saved, indent=2) + "\n")
+        generation = base_generation_config(cfg.model)
+        if generation is not None:  # the base's sampling defaults and stop ids: a merged or FSDP model was
+            generation.use_cache = True  # rebuilt from its config; gradient checkpointing turned the cache off
+            generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return publish_export(accelerator, folder, write)  # every rank learns whether it worked
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -676,7 +609,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     scheduler = warmup_cosine(optimizer, min(cfg.warmup_steps, cfg.max_steps // 2), cfg.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if cfg.lora_r:
-        keep_adapter_only_in_checkpoints(accelerator, model)
+        keep_only_trained_in_checkpoints(accelerator, model)  # the adapter, not the frozen base
 
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
         accelerator, cfg, template="finetune_causal_lm", metric="val/loss", mode="min",

@@ -1,4 +1,4 @@
-"""common.checkpoint: whole-state save/resume, periodic and best apart, keep last K, atomic saves, exports."""
+"""common.checkpoint: whole-state save/resume, periodic and best apart, keep last K, atomic saves."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 import common.checkpoint as checkpoint_module
 from common.accelerator import build_accelerator
@@ -26,8 +25,6 @@ from common.checkpoint import (
     PROGRESS_FILE,
     CheckpointManager,
     TrainingState,
-    export_weights,
-    load_exported,
     read_progress,
 )
 from common.errors import RunStatus, UsageError, read_status
@@ -45,20 +42,6 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x):
         return self.net(x)
-
-
-class TiedLM(torch.nn.Module):
-    """An embedding shared with the output layer, as language models tie them."""
-
-    def __init__(self, vocab: int = 11, dim: int = 4):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.norm = torch.nn.LayerNorm(dim)
-        self.out = torch.nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.embed.weight
-
-    def forward(self, tokens):
-        return self.out(self.norm(self.embed(tokens)))
 
 
 def setup(output_dir: Path, *, width: int = 8, template: str = "tiny", keep_last: int = 3, mode: str = "max",
@@ -500,51 +483,6 @@ def test_resume_with_another_world_size_warns(job, capsys):
     capsys.readouterr()
     assert job.ckpt.resume("auto").step == 1
     assert "written by 4 process(es), resuming with 1" in capsys.readouterr().out
-
-
-# --- exported weights --------------------------------------------------------------------------------
-
-def test_export_round_trip_into_a_plain_model(job, tmp_path):
-    train(job, 2)
-    path = export_weights(job.accelerator, job.model, tmp_path / "out" / "model.safetensors")
-    assert path.is_file() and not list(path.parent.glob(".tmp-*"))
-    plain = Tiny()
-    load_exported(plain, path)
-    assert same_tensors(plain.state_dict(), params(job))
-
-
-def test_export_of_tied_weights_stores_the_tensor_once(tmp_path, fresh_accelerate):
-    accelerator = build_accelerator(seed=0)
-    torch.manual_seed(0)
-    model = accelerator.prepare(TiedLM())
-    path = export_weights(accelerator, model, tmp_path / "model.safetensors")
-    with safe_open(str(path), framework="pt") as handle:
-        keys = set(handle.keys())
-        tied = json.loads(handle.metadata()["tied"])
-    assert keys == {"embed.weight", "norm.weight", "norm.bias"}  # out.weight is not stored a second time
-    assert tied == {"out.weight": "embed.weight"}
-    torch.manual_seed(1)
-    plain = TiedLM()
-    load_exported(plain, path)
-    assert same_tensors(plain.state_dict(), model.state_dict())
-    assert plain.out.weight is plain.embed.weight  # still one parameter after loading
-
-
-def test_load_exported_refuses_a_model_of_another_shape(job, tmp_path):
-    path = export_weights(job.accelerator, job.model, tmp_path / "model.safetensors")
-    with pytest.raises(UsageError, match=r"does not fit this model: shape of net.0.weight is \(8, 4\), "
-                                         r"the model has \(16, 4\)"):
-        load_exported(Tiny(width=16), path)
-    with pytest.raises(UsageError, match="does not fit this model: missing"):
-        load_exported(TiedLM(), path)
-
-
-def test_load_exported_refuses_a_file_that_is_not_an_export(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(UsageError, match="not a readable safetensors export"):
-        load_exported(Tiny(), tmp_path / "model.safetensors")
-    with pytest.raises(UsageError, match="not a readable safetensors export"):
-        load_exported(Tiny(), tmp_path / "missing.safetensors")
 
 
 # --- two ranks ----------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ spec = importlib.util.spec_from_file_location("watched_template", template)
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
-import common.checkpoint
+import common.export
 import common.tracking
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -56,7 +56,7 @@ class WatchedBar(common.tracking.tqdm):
 
 
 common.tracking.tqdm = WatchedBar
-real_save_file = common.checkpoint.save_file
+real_save_file = common.export.save_file
 
 
 def save_file(tensors, filename, *args, **kwargs):
@@ -64,7 +64,7 @@ def save_file(tensors, filename, *args, **kwargs):
     return real_save_file(tensors, filename, *args, **kwargs)
 
 
-common.checkpoint.save_file = save_file
+common.export.save_file = save_file
 
 
 class WorkerProbe(torch.utils.data.Dataset):

@@ -78,7 +78,7 @@ def evaluate_export(export: Path, *args: str) -> dict[str, float]:
 
     In batches of --batch_size, in order, as the template evaluates on one process, so the numbers compare.
     """
-    from common.checkpoint import load_exported
+    from common.export import load_exported
 
     module = load_template("image_classification")
     cfg = module.parse_config(module.Config, list(args))
@@ -557,7 +557,7 @@ spec = importlib.util.spec_from_file_location("template", Path(sys.argv[1]) / "t
 template = importlib.util.module_from_spec(spec)
 sys.modules["template"] = template
 spec.loader.exec_module(template)
-from common.checkpoint import export_info, load_exported
+from common.export import export_info, load_exported
 info = export_info(sys.argv[2])
 model = template.ResNet(**info["model"]).eval()
 load_exported(model, sys.argv[2])

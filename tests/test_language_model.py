@@ -199,7 +199,7 @@ def test_fsdp_resume_is_bit_identical(fsdp_runs):
 
 
 def test_fsdp_export_loads_into_a_plain_model_with_the_same_logits(fsdp_runs):
-    from common.checkpoint import export_info, load_exported
+    from common.export import export_info, load_exported
 
     whole, _, _, probe_file = fsdp_runs
     lm = template()

@@ -1,0 +1,170 @@
+"""The final export: plain weights in one safetensors file that describes its model, published atomically.
+
+Loading an export (`export_info`, `load_exported`) needs torch and safetensors only, not accelerate: this module
+imports nothing else at import, so it can be copied into an inference service beside the model's class. Writing
+one takes the run's Accelerator as an argument (`export_weights`, `publish_export`) and uses it by its methods.
+A template whose export is a folder (the fine-tuning template's `save_pretrained`) publishes it with
+`publish_export` too: written under a `.tmp-` name, synced, renamed over the previous one by the main process,
+and every rank learns whether it worked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from common.errors import SaveError, UsageError, one_line
+
+if TYPE_CHECKING:  # for the type hints only: loading an export needs no accelerate
+    from accelerate import Accelerator
+
+
+def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str | os.PathLike,
+                   info: dict | None = None) -> Path:
+    """Save the trained weights as one safetensors file that loads into the plain model.
+
+    Call on every rank: under FSDP the full state dict is gathered from the shards. Tied tensors
+    (an embedding shared with the output layer) are stored once and named in the metadata, and so is
+    `info` (JSON): what rebuilding and using the model needs, read back with `export_info`.
+    """
+    state_dict = accelerator.get_state_dict(model)
+
+    def write(tmp: Path) -> None:
+        tensors, tied, seen = {}, {}, {}
+        for key, tensor in state_dict.items():
+            ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if ptr in seen:
+                tied[key] = seen[ptr]
+                continue
+            seen[ptr] = key
+            tensors[key] = tensor.detach().to("cpu").contiguous()
+        metadata = {"format": "pt", "tied": json.dumps(tied)} | ({"info": json.dumps(info)} if info else {})
+        save_file(tensors, str(tmp), metadata=metadata)
+
+    return publish_export(accelerator, path, write)
+
+
+def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Write an export (a file or a folder) at `path` atomically; call on every rank.
+
+    The main process runs `write(tmp)`, which creates `tmp` (`.tmp-<name>` beside `path`), syncs it and renames it
+    over the previous export, so `path` is always a whole export, the old one or the new one. A write that fails
+    (a full disk) leaves no `.tmp-` behind and ends the run on every rank with a SaveError (`check_export`).
+    """
+    path = Path(path)
+    failure = None
+    if accelerator.is_main_process:
+        tmp = path.with_name(f".tmp-{path.name}")
+        try:
+            _remove(tmp)  # left by an export a crash interrupted
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(tmp)
+            fsync_tree(tmp)
+            if tmp.is_dir() and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)  # a folder cannot be renamed over a folder that holds files
+            os.replace(tmp, path)
+            fsync_file(path.parent)
+        except OSError as error:
+            failure = one_line(error)
+            with contextlib.suppress(OSError):
+                _remove(tmp)  # free its space: nothing refers to it
+    check_export(accelerator, path, failure)
+    return path
+
+
+def check_export(accelerator: Accelerator, path: str | os.PathLike, failure: str | None) -> None:
+    """After the main process wrote an export (`failure`: what went wrong there, or None), every rank
+    learns whether it worked; a failure ends the run on all of them with a SaveError."""
+    if accelerator.num_processes > 1 and dist.is_initialized():
+        from accelerate.utils import broadcast_object_list  # only where a run (with accelerate) exports
+
+        holder = [failure]
+        broadcast_object_list(holder)
+        failure = holder[0]
+    if failure is not None:
+        raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
+                        "so --resume auto writes it again")
+
+
+def export_info(path: str | os.PathLike) -> dict:
+    """What an export says about its model (e.g. the model's constructor arguments and class names), or {}."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return json.loads((handle.metadata() or {}).get("info", "{}"))
+    except (OSError, SafetensorError, ValueError) as error:
+        raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
+
+
+def exported_model(init_from: str | os.PathLike) -> Path:
+    """The export `--init_from` names: a model.safetensors file, or a finished run's folder (its model.safetensors)."""
+    path = Path(init_from)
+    if path.is_dir():
+        if not (path / "model.safetensors").is_file():
+            raise UsageError(f"--init_from {init_from}: no model.safetensors in this folder (a run writes it when it "
+                             "finishes); pass a finished run's folder or its model.safetensors")
+        return path / "model.safetensors"
+    if not path.is_file():
+        raise UsageError(f"--init_from {init_from}: no such file or folder")
+    return path
+
+
+def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Load an export from `export_weights` into a plain (unwrapped) model, refusing any mismatch."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tied = json.loads((handle.metadata() or {}).get("tied", "{}"))
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as error:
+        raise UsageError(f"{path}: not a readable safetensors export ({error})") from None
+    expected = model.state_dict()
+    for key, source in tied.items():
+        if source in tensors:
+            tensors[key] = tensors[source]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [k for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        detail = (
+            f"shape of {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model has {tuple(expected[wrong[0]].shape)}"
+            if wrong
+            else f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+        raise UsageError(f"{path} does not fit this model: {detail}")
+    model.load_state_dict(tensors)
+
+
+# ----------------------------------------------------------------------------------- durability
+def fsync_file(path: Path) -> None:
+    """Flush a file (or a folder's entries) to disk, so a rename that follows publishes finished data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path, files: bool = True) -> None:
+    """Flush `root` (a file, or a folder: every folder and, unless told not to, every file below it)."""
+    if not root.is_dir():
+        fsync_file(root)
+    for folder, _, names in os.walk(root):
+        for name in names if files else ():
+            fsync_file(Path(folder) / name)
+        fsync_file(Path(folder))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
