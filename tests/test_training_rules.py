@@ -53,10 +53,12 @@ class Case:
 
 
 # The tiny Llama of scripts/make_tiny_model.py on 60 reverse-a-word examples (56 for training): 8 micro-batches of 7
-# an epoch (so every accumulation window of 2 is full), evaluated every 4 steps and at the end.
+# an epoch (so every accumulation window of 2 is full), evaluated every 4 steps and at the end. No greedy answers
+# at the evaluations and no sample at the end (their one-prompt forwards are generation, not evaluation batches;
+# tests/test_finetune.py covers them), like the language model's --sample_tokens 0.
 FINETUNE = ("--model", "{model}", "--data_path", "{data}", "--max_steps", "8", "--eval_every_steps", "4",
             "--batch_size", "7", "--learning_rate", "3e-3", "--warmup_steps", "2", "--sample_tokens", "0",
-            "--log_every_steps", "2")
+            "--eval_samples", "0", "--log_every_steps", "2")
 LORA = ("--lora_r", "4", "--lora_dropout", "0.1", "--learning_rate", "1e-2")
 # Interrupted runs for the shuffle, validation-order and resume tests. Image: 14 micro-batches of 96 an
 # epoch, 7 optimizer steps (accumulation 2), stopped at step 9 (epoch 2, 4 micro-batches in). Language
