@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -167,17 +168,24 @@ class Tracker:
     def draw_curves(self) -> None:
         """`curves.png` from the whole metrics.jsonl (every session of the run): without matplotlib one line says
         how to get it; a failure to draw is one warning, never the run's failure."""
+        # matplotlib's first import on a machine builds its font cache and says so on stderr (and that it made a
+        # temporary cache folder, where HOME is not writable): not news about the run, which ends with its own lines.
+        quiet = logging.getLogger("matplotlib")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
         try:
-            import matplotlib  # noqa: F401  (optional: a template runs without it)
-        except ImportError:
-            print(f"{CURVES_FILE} not drawn: matplotlib is not installed; pip install matplotlib, then "
-                  f"python scripts/plot_runs.py {self.output_dir}", flush=True)
-            return
-        try:
+            try:
+                import matplotlib  # noqa: F401  (optional: a template runs without it)
+            except ImportError:
+                print(f"{CURVES_FILE} not drawn: matplotlib is not installed; pip install matplotlib, then "
+                      f"python scripts/plot_runs.py {self.output_dir}", flush=True)
+                return
             draw_run_curves(self.output_dir)
         except Exception as error:
             print(f"warning: {CURVES_FILE} could not be drawn ({type(error).__name__}: {error}); "
                   f"the values are in {self.metrics_path}", file=sys.stderr, flush=True)
+        finally:
+            quiet.setLevel(level)
 
     def finish(self, requeue: bool = False, exit_code: int = 0) -> None:
         """Draw curves.png (main process), end the W&B run. `requeue`: a preempted sweep run; W&B gives it to an
