@@ -167,7 +167,7 @@ def ddp_baseline(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------ 1. cpu.yaml
-def test_cpu_run_writes_the_documented_outputs(plain_run):
+def test_cpu_run_writes_the_documented_outputs(plain_run, tmp_path):
     out, result = plain_run
     assert "NO on cpu, 1 process(es)" in result.stdout
     final = r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$"
@@ -182,7 +182,14 @@ def test_cpu_run_writes_the_documented_outputs(plain_run):
     assert any(re.fullmatch(r"best_step_\d{8}", name) for name in names), names
     assert not [name for name in names if name.startswith(".tmp-")], names
     assert (out / "model.safetensors").is_file()
-    assert is_png(out / "curves.png")  # the run's curves, drawn by the main process at its end
+    # the run's curves, drawn by the main process at its end from metrics.jsonl, its best checkpoint marked
+    from common.tracking import best_checkpoint_step, curves_figure, metric_series, save_figure
+
+    assert is_png(out / "curves.png") and best_checkpoint_step(out) is not None
+    series = metric_series(read_metrics(out))
+    save_figure(curves_figure({str(out): series}, {str(out): best_checkpoint_step(out)}, title=str(out)),
+                tmp_path / "expected.png")
+    assert (out / "curves.png").read_bytes() == (tmp_path / "expected.png").read_bytes()
 
 
 def test_cpu_export_loads_into_the_plain_model(plain_run):
