@@ -16,6 +16,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def is_png(path: Path) -> bool:
+    """Whether `path` is a file that starts as every PNG does (the 8-byte signature)."""
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def snapshot(root: Path) -> dict[str, list]:
     """Every file and folder under `root`: whether a folder, its inode, a file's size, the modification
     time and a file's sha256. Two equal snapshots: nothing was written, replaced, added or removed.

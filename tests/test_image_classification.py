@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
-from helpers import read_metrics, snapshot
+from helpers import is_png, read_metrics, snapshot
 from common.errors import read_status
 from common.optim import warmup_cosine
 
@@ -167,7 +167,7 @@ def ddp_baseline(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------ 1. cpu.yaml
-def test_cpu_run_writes_the_documented_outputs(plain_run):
+def test_cpu_run_writes_the_documented_outputs(plain_run, tmp_path):
     out, result = plain_run
     assert "NO on cpu, 1 process(es)" in result.stdout
     final = r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$"
@@ -182,6 +182,14 @@ def test_cpu_run_writes_the_documented_outputs(plain_run):
     assert any(re.fullmatch(r"best_step_\d{8}", name) for name in names), names
     assert not [name for name in names if name.startswith(".tmp-")], names
     assert (out / "model.safetensors").is_file()
+    # the run's curves, drawn by the main process at its end from metrics.jsonl, its best checkpoint marked
+    from common.tracking import best_checkpoint_step, curves_figure, metric_series, save_figure
+
+    assert is_png(out / "curves.png") and best_checkpoint_step(out) is not None
+    series = metric_series(read_metrics(out))
+    save_figure(curves_figure({str(out): series}, {str(out): best_checkpoint_step(out)}, title=str(out)),
+                tmp_path / "expected.png")
+    assert (out / "curves.png").read_bytes() == (tmp_path / "expected.png").read_bytes()
 
 
 def test_cpu_export_loads_into_the_plain_model(plain_run):
@@ -289,6 +297,7 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
 
     result = run_template(config, out, *EXACT, "--stop_after_steps", str(first_stop))
     assert f"stopped at step {first_stop}" in result.stdout
+    stopped_picture = (out / "curves.png").read_bytes()  # a stopped run draws its curves too
     status = read_status(out)  # the end state, as written behind `accelerate launch`
     assert (status["state"], status["exit_code"], status["step"]) == ("stopped", 0, first_stop), status
     assert status["reason"] == "--stop_after_steps"
@@ -306,6 +315,8 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
     assert "final validation accuracy" in result.stdout
     assert read_status(out)["state"] == "finished"
+    assert stopped_picture.startswith(b"\x89PNG") and is_png(out / "curves.png")
+    assert (out / "curves.png").read_bytes() != stopped_picture  # drawn again, from all three sessions
 
     assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
     strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731
