@@ -16,7 +16,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from common.errors import UsageError
+from common.errors import UsageError, read_status
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # text the model wrote at each evaluation (the fine-tuning template)
@@ -117,11 +117,12 @@ class Tracker:
         return run
 
     def _finish_at_exit(self) -> None:
-        """A run that ended in an error or Ctrl-C: end the W&B run as failed, quietly, so that the run's own
-        `error:` line stays the last one on stderr (W&B's exit hook would add a traceback if its service is
-        gone)."""
+        """A run that ended in an error or Ctrl-C: end the W&B run as failed with the run's exit code (status.json
+        has it), quietly, so that the run's own `error:` line stays the last one on stderr (W&B's exit hook would
+        add a traceback if its service is gone)."""
         if self.run is not None:
-            self.finish(exit_code=1, quiet=True)
+            status = read_status(self.output_dir) or {}
+            self.finish(exit_code=status.get("exit_code") or 1, quiet=True)
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:
