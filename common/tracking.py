@@ -7,6 +7,7 @@ module's functions on a machine without them.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from common.errors import UsageError
+from common.errors import UsageError, read_status
 
 if TYPE_CHECKING:  # only a type here: importing accelerate loads torch, which the plotting needs not
     from accelerate import Accelerator
@@ -117,9 +118,21 @@ class Tracker:
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
         # quiet: no 20-line history and summary at the end (metrics.jsonl and the run page have them), and
-        # one sync hint (ours, below) instead of two.
-        return wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode,
-                          settings=wandb.Settings(quiet=True), **kwargs)
+        # one sync hint (ours, below) instead of two. The run's .wandb file is flushed every second (W&B's
+        # default is 15 s): `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every process the
+        # run started, W&B's service too, which then writes nothing more, so at most the last second is lost.
+        run = wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode,
+                         settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs)
+        atexit.register(self._finish_at_exit)  # runs before W&B's own exit hook (atexit runs the last one first)
+        return run
+
+    def _finish_at_exit(self) -> None:
+        """A run that ended in an error or Ctrl-C: end the W&B run as failed with the run's exit code (status.json
+        has it), quietly, so that the run's own `error:` line stays the last one on stderr (W&B's exit hook would
+        add a traceback if its service is gone)."""
+        if self.run is not None:
+            status = read_status(self.output_dir) or {}
+            self.finish(exit_code=status.get("exit_code") or 1, quiet=True)
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:
@@ -187,25 +200,28 @@ class Tracker:
         finally:
             quiet.setLevel(level)
 
-    def finish(self, requeue: bool = False, exit_code: int = 0) -> None:
+    def finish(self, requeue: bool = False, exit_code: int = 0, quiet: bool = False) -> None:
         """Draw curves.png (main process), end the W&B run. `requeue`: a preempted sweep run; W&B gives it to an
         agent again, same id.
 
         W&B requeues a run that is marked preempting and ends with a non-zero exit code; one that
         ends with 0 is finished. The code is passed here because W&B would otherwise record 0.
+        `quiet`: the run is ending with an error line of its own: no picture, no warning if W&B's service is gone.
         """
-        if self.enabled:
+        if self.enabled and not quiet:
             self.draw_curves()
         if self.run is None:
             return
+        atexit.unregister(self._finish_at_exit)
         run_dir = Path(self.run.dir).parent
         try:
             if requeue:
                 self.run.mark_preempting()
             self.run.finish(exit_code=exit_code)
         except Exception as error:  # W&B's service process is gone: a SIGTERM to the process tree reaches it too
-            print(f"warning: W&B could not finish the run ({type(error).__name__}: {error}); what it recorded is in "
-                  f"{run_dir}", file=sys.stderr, flush=True)
+            if not quiet:
+                print(f"warning: W&B could not finish the run ({type(error).__name__}: {error}); what it recorded is "
+                      f"in {run_dir}", file=sys.stderr, flush=True)
             try:
                 import wandb
 
