@@ -180,7 +180,10 @@ class Tracker:
 
     def draw_curves(self) -> None:
         """`curves.png` from the whole metrics.jsonl (every session of the run): without matplotlib one line says
-        how to get it; a failure to draw is one warning, never the run's failure."""
+        how to get it; a failure to draw is one warning, never the run's failure. CURVES_PNG=0 in the environment
+        skips it (drawing takes about half a second: a sweep of many short trials, the test suite)."""
+        if os.environ.get("CURVES_PNG") == "0":
+            return
         # matplotlib's first import on a machine builds its font cache and says so on stderr (and that it made a
         # temporary cache folder, where HOME is not writable): not news about the run, which ends with its own lines.
         quiet = logging.getLogger("matplotlib")
@@ -279,7 +282,8 @@ def metric_series(records: list[dict]) -> Series:
 
 def curve_panels(runs: list[Series]) -> list[tuple[str, list[str]]]:
     """(title, metrics) per panel: the losses together, the learning rate, the throughputs together, then every
-    other metric that changes in some run (a constant, such as the validation set's size, tells nothing)."""
+    other validation metric that changes in some run (a constant, such as the validation set's size, tells
+    nothing; timings and counters are in metrics.jsonl, and each panel costs drawing time at every run's end)."""
     keys = sorted({key for series in runs for key in series})
     losses = sorted((k for k in keys if k == "loss" or k.endswith("/loss")),
                     key=lambda k: (not k.startswith("train"), k))  # training first
@@ -287,7 +291,8 @@ def curve_panels(runs: list[Series]) -> list[tuple[str, list[str]]]:
     panels = [("loss", losses), ("learning rate", [k for k in keys if k == "lr"]), ("throughput (per second)", speeds)]
     grouped = set(losses) | set(speeds) | {"lr"}
     for key in keys:
-        if key not in grouped and any(len(set(series.get(key, ((), ()))[1])) > 1 for series in runs):
+        if key.startswith("val/") and key not in grouped and any(len(set(series.get(key, ((), ()))[1])) > 1
+                                                                   for series in runs):
             panels.append((key, [key]))
     return [(title, members) for title, members in panels if members]
 
@@ -307,11 +312,15 @@ def curves_figure(runs: dict[str, Series], best_steps: dict[str, int | None], ti
     from matplotlib.figure import Figure
 
     panels = curve_panels(list(runs.values()))
-    columns = min(3, max(1, len(panels)))
+    columns = 2 if len(panels) == 4 else min(3, max(1, len(panels)))
     rows = max(1, math.ceil(len(panels) / columns))
-    figure = Figure(figsize=(5.5 * columns, 3.6 * rows), layout="constrained")
+    figure = Figure(figsize=(5.5 * columns, 3.6 * rows + (0.4 if title else 0)))
     FigureCanvasAgg(figure)
     axes = list(figure.subplots(rows, columns, squeeze=False).flat)
+    # fixed margins: a layout engine (constrained, tight) measures every label first and doubles the drawing time
+    height = figure.get_figheight()
+    figure.subplots_adjust(left=0.7 / figure.get_figwidth(), right=0.98, wspace=0.25, hspace=0.55,
+                           bottom=0.5 / height, top=1 - (0.75 if title else 0.4) / height)
     several = len(runs) > 1
     styles = ("-", "--", ":", "-.")
     for index, (ax, (panel, keys)) in enumerate(zip(axes, panels)):

@@ -46,9 +46,11 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def run_template(config: str, output_dir: Path, *args: str,
-                 num_processes: int | None = None) -> subprocess.CompletedProcess:
-    return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes))
+def run_template(config: str, output_dir: Path, *args: str, num_processes: int | None = None,
+                 curves: bool = False) -> subprocess.CompletedProcess:
+    """`curves`: draw curves.png at the end, as outside the suite (conftest.py turns it off)."""
+    return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes,
+                     env=clean_env(CURVES_PNG="1") if curves else None))
 
 
 def val_records(output_dir: Path) -> list[dict]:
@@ -143,7 +145,7 @@ module.main()
 def plain_run(tmp_path_factory):
     """accelerate_configs/cpu.yaml, default batch size: the demo run."""
     out = tmp_path_factory.mktemp("plain") / "run"
-    result = run_template("cpu.yaml", out, *TINY)
+    result = run_template("cpu.yaml", out, *TINY, curves=True)
     return out, result
 
 
@@ -295,7 +297,7 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     first_stop, second_stop = per_epoch // 2 - 1, per_epoch + 2
     out = tmp_path / "run"
 
-    result = run_template(config, out, *EXACT, "--stop_after_steps", str(first_stop))
+    result = run_template(config, out, *EXACT, "--stop_after_steps", str(first_stop), curves=True)
     assert f"stopped at step {first_stop}" in result.stdout
     stopped_picture = (out / "curves.png").read_bytes()  # a stopped run draws its curves too
     status = read_status(out)  # the end state, as written behind `accelerate launch`
@@ -311,7 +313,7 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     # crossed into epoch 2
     assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))
 
-    result = run_template(config, out, *EXACT, "--resume", str(out))  # a run folder: its newest checkpoint
+    result = run_template(config, out, *EXACT, "--resume", str(out), curves=True)  # a run folder: its newest one
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
     assert "final validation accuracy" in result.stdout
     assert read_status(out)["state"] == "finished"

@@ -154,6 +154,20 @@ def mark_best_checkpoint(output_dir: Path, step: int) -> None:
     (folder / "progress.json").write_text("{}")
 
 
+@pytest.fixture(autouse=True)
+def curves_on(monkeypatch):
+    """The suite runs without pictures (conftest.py); these tests are about them."""
+    monkeypatch.setenv("CURVES_PNG", "1")
+
+
+def test_curves_png_0_in_the_environment_skips_the_picture(tmp_path, monkeypatch, drawn):
+    monkeypatch.setenv("CURVES_PNG", "0")
+    tracker = Tracker(MAIN, tmp_path, kind="none", project="p", config={})
+    log_a_run(tracker, range(1, 5))
+    tracker.finish()
+    assert drawn == [] and not (tmp_path / CURVES_FILE).exists()
+
+
 @pytest.fixture
 def drawn(monkeypatch) -> list:
     """Every Figure the tracker draws at its end, in order (the real drawing, watched)."""
