@@ -132,6 +132,9 @@ class Tracker:
         add a traceback if its service is gone)."""
         if self.run is not None:
             status = read_status(self.output_dir) or {}
+            # W&B's client writes to its service through asyncio, which logs each failed write to a service that
+            # is gone ("socket.send() raised exception."): nothing is logged after this, so those are silenced.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             self.finish(exit_code=status.get("exit_code") or 1, quiet=True)
 
     @staticmethod
