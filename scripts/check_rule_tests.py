@@ -185,8 +185,8 @@ MUTATIONS = [
              tests=CLIPPED.format("fp32-" + lm)),
     mutation("no-clipping", "loop: clipping", LM, CLIP, CLIP.replace("cfg.grad_clip or math.inf", "math.inf"),
              tests=CLIPPED.format("fp32-" + lm)),
-    mutation("loss-accumulated-with-graph", "loop: loss.item()", LM,
-             "state.interval_loss_sum += loss.detach()", "state.interval_loss_sum += loss",
+    mutation("loss-accumulated-with-graph", "loop: loss.item()", CHECKPOINT,  # TrainingState.count_micro_batch
+             "self.interval_loss_sum += loss.detach()", "self.interval_loss_sum += loss",
              tests=NO_GRAPH.format(lm)),
     mutation("no-accelerator-accumulate", "loop: accelerator.accumulate", IMAGE,
              "            with accelerator.accumulate(model):", "            if True:",
