@@ -45,6 +45,7 @@ TA = "tests/test_accelerator.py::"
 IMAGE, LM, FT = "templates/image_classification.py", "templates/language_model.py", "templates/finetune_causal_lm.py"
 DATA, CHECKPOINT, TRACKING = "common/data.py", "common/checkpoint.py", "common/tracking.py"
 ACCELERATOR, BACKGROUND, EXPORT = "common/accelerator.py", "common/background_save.py", "common/export.py"
+ERRORS = "common/errors.py"
 
 EPOCH_ORDER = TR + "test_each_epoch_has_the_shuffle_that_seed_and_epoch_fix_also_after_a_resume[{}]"
 VAL_ORDER = TR + "test_every_evaluation_sees_each_validation_sample_once_in_order[{}]"
@@ -283,6 +284,12 @@ MUTATIONS = [
     mutation("status-step-not-moved-by-checkpoints", "status.json: a running run's step is its last checkpoint",
              CHECKPOINT, '                self.on_published(meta["step"])\n', "                pass\n",
              tests=TC + "test_status_step_is_the_last_complete_checkpoint_while_running"),
+    mutation("failure-not-recorded-in-status-json", "status.json: every end state recorded", ERRORS,
+             "        at_failure(self.failed)  # every error that ends main() records itself here\n", "",
+             tests=TF + "test_status_json_says_how_every_launch_ended[image-1proc]"),
+    mutation("status-json-written-by-every-rank", "status.json: the main process alone writes it", ERRORS,
+             "        self.enabled = accelerator.is_main_process\n", "        self.enabled = True\n",
+             tests=TF + "test_only_the_main_process_writes_status_json[image-ddp]"),
     mutation("learning-rate-may-change-on-resume", "checkpoints: a run resumes only itself", LM,
              '"Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)")',
              '"Peak LR for one process (~6e-4 for GPT-2 sizes).", "(0, inf)", may_change=True)',

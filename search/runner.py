@@ -77,6 +77,8 @@ from search.trial import run_trial, trial_env
 SAMPLERS = ("auto", "tpe", "random", "grid")
 PRUNERS = ("auto", "hyperband", "median", "none")
 RESULTS_FILE = "results.json"
+HISTORY_FILE = "optimization_history.png"  # beside results.json: each complete trial's value and the best so far
+IMPORTANCES_FILE = "param_importances.png"  # how much each searched parameter moved the metric
 SYNOPSIS = "python -m search --sweep FILE [--option=VALUE ...] [-- <template options>]"
 AFTER_SEPARATOR = ("  -- <template options>\n"
                    "      Options for every run of the program (e.g. -- --epochs=10 --tracker=none), after the "
@@ -514,6 +516,7 @@ def search(cfg: SearchConfig, extra: list[str]) -> dict:
     results = write_results(study, sweep, study_dir, storage_spec, target)
     print(format_table(results, sweep), flush=True)
     print(f"results: {study_dir / RESULTS_FILE}", flush=True)
+    draw_study(study, study_dir, sweep.metric)
     if not results["final"]:
         running = [t["number"] for t in results["trials"] if t["state"] == "running"]
         print(f"{len(running)} trial(s) still running in other workers ({', '.join(map(str, running))}): these results "
@@ -601,6 +604,69 @@ def collect_results(study, sweep: Sweep, storage_spec: str, target: int) -> dict
         "best": best,
         "trials": [trial_record(t) for t in trials],
     }
+
+
+def have_matplotlib(what: str) -> bool:
+    """Whether matplotlib can be imported (the pictures are optional); if not, one line says what is not drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"{what} not drawn: matplotlib is not installed (pip install matplotlib)", flush=True)
+        return False
+    return True
+
+
+def draw_study(study, study_dir: Path, metric: str) -> list[Path]:
+    """The optimization history and the parameter importances as pictures beside results.json (Optuna's
+    matplotlib plots); returns the files written. Importances need two complete trials and two parameters
+    that vary among them (one alone has all the importance): otherwise one line says why there is no picture.
+    Without matplotlib, or when drawing fails, one line too; the search's outcome stays what it is."""
+    if not have_matplotlib("the search's pictures"):
+        return []
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")  # files only, no window; a program that embeds the runner keeps its own backend
+    import warnings
+
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as plots
+
+    from common.tracking import save_figure
+
+    optuna = _optuna()
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if not complete:
+        print("the search's pictures not drawn: no complete trial yet", flush=True)
+        return []
+    names = sorted({name for trial in complete for name in trial.params})
+    varying = [name for name in names if len({repr(trial.params.get(name)) for trial in complete}) > 1]
+    pictures = [(HISTORY_FILE, lambda: plots.plot_optimization_history(study, target_name=metric))]
+    if len(complete) >= 2 and len(varying) >= 2:
+        pictures.append((IMPORTANCES_FILE, lambda: plots.plot_param_importances(study, params=varying,
+                                                                               target_name=metric)))
+    else:
+        print(f"{IMPORTANCES_FILE} not drawn: parameter importances need 2 complete trials and 2 parameters that "
+              f"vary among them (here {len(complete)} complete, varying: {', '.join(varying) or 'none'})", flush=True)
+    written = []
+    for name, plot in pictures:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental, at every call
+                axes = plot()
+            try:
+                axes.figure.set_size_inches(8, 5)
+                axes.figure.tight_layout()
+                save_figure(axes.figure, study_dir / name)
+            finally:
+                plt.close(axes.figure)
+        except Exception as error:
+            print(f"warning: {name} could not be drawn ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
+            continue
+        written.append(study_dir / name)
+    if written:
+        print("pictures: " + ", ".join(str(path) for path in written), flush=True)
+    return written
 
 
 def format_table(results: dict, sweep: Sweep) -> str:

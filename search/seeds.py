@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import UsageError, with_exit_codes
-from search.runner import parse_runner_config, split_passthrough
+from search.runner import have_matplotlib, parse_runner_config, split_passthrough
 from search.sweep import build_command, check_command_files, effective_args, load_sweep, with_launch
 from search.trial import run_trial, trial_env
 
 REPORT_FILE = "seeds.json"
+PICTURE_FILE = "seeds.png"  # beside seeds.json: each seed's curve of the metric, and their mean ± std
 SYNOPSIS = "python -m search.seeds (--results FILE | --sweep FILE) [--option=VALUE ...] [-- <template options>]"
 
 
@@ -135,6 +136,7 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
     print(f"{len(cfg.seeds)} seeds of {source}: {shlex.join(ran)}", flush=True)
 
     runs = []
+    curves: dict[int, list[tuple[int, float]]] = {}  # seed -> (step, value) at each evaluation
     for seed in cfg.seeds:
         out = base / f"seed_{seed}"
         argv = build_command(sweep, params, [*extra, f"--seed={seed}"], str(out))
@@ -146,6 +148,7 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
         value = result.value if result.state == "complete" else None
         if value is not None and not math.isfinite(value):
             value, result.error = None, f"{sweep.metric} is not finite"
+        curves[seed] = [(step, v) for step, v in result.evals if math.isfinite(v)]
         runs.append({
             "seed": seed,
             "state": "complete" if value is not None else "failed",
@@ -177,9 +180,59 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
     os.replace(tmp, path)
     print(format_report(report), flush=True)
     print(f"report: {path}", flush=True)
+    if have_matplotlib(PICTURE_FILE):
+        try:
+            draw_seeds(curves, [run["seed"] for run in runs if run["value"] is not None], sweep.metric,
+                       base / PICTURE_FILE)
+            print(f"picture: {base / PICTURE_FILE}", flush=True)
+        except Exception as error:  # the report stands without its picture
+            print(f"warning: {PICTURE_FILE} could not be drawn ({type(error).__name__}: {error})", file=sys.stderr,
+                  flush=True)
     if len(values) < len(runs):
         raise SystemExit(1)
     return report
+
+
+def seed_band(curves: dict[int, list[tuple[int, float]]], complete: list[int]) -> tuple[list, list, list]:
+    """(steps, mean, sample std) over the complete seeds at each step where every one of them evaluated; nothing
+    with fewer than two complete seeds."""
+    if len(complete) < 2:
+        return [], [], []
+    at_step = [dict(curves[seed]) for seed in complete]
+    steps = sorted(set.intersection(*(set(points) for points in at_step)))
+    columns = [[points[step] for points in at_step] for step in steps]
+    return steps, [statistics.fmean(c) for c in columns], [statistics.stdev(c) for c in columns]
+
+
+def draw_seeds(curves: dict[int, list[tuple[int, float]]], complete: list[int], metric: str, path: Path):
+    """Each seed's metric against step (failed seeds dashed, as far as they got) and the complete seeds' mean ±
+    sample std as a band; written to `path`, returns the Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from common.tracking import save_figure
+
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    for index, (seed, points) in enumerate(curves.items()):
+        if points:
+            ax.plot([step for step, _ in points], [value for _, value in points], marker="o", markersize=3,
+                    color=f"C{index}", linestyle="-" if seed in complete else "--",
+                    label=f"seed {seed}" + ("" if seed in complete else " (failed)"))
+    steps, mean, std = seed_band(curves, complete)
+    if steps:
+        ax.plot(steps, mean, color="black", linewidth=2, label=f"mean of {len(complete)} seeds")
+        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color="black", alpha=0.15, label="± sample std (ddof=1)")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} by seed")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize="small")
+    save_figure(figure, path)
+    return figure
 
 
 def format_report(report: dict) -> str:

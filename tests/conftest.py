@@ -21,6 +21,9 @@ if str(REPO) not in sys.path:
 from search.sweep import free_port  # noqa: E402  (the one copy; search/ imports no torch)
 
 CONFIGS = REPO / "accelerate_configs"
+# No curves.png at the end of the suite's hundreds of runs (about half a second each); the tests of the picture
+# set CURVES_PNG=1 (tests/test_tracking.py, the image template's documented outputs and its stop and resume).
+os.environ["CURVES_PNG"] = "0"
 
 
 def clean_env(**extra: str) -> dict[str, str]:

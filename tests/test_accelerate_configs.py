@@ -119,8 +119,8 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
         assert re.search(r"\b22 optimizer steps\b", result.stdout), result.stdout
 
     # One set of outputs: one run.json, each metric logged once, checkpoints holding both ranks' state.
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors", "run.json",
-                                                   "status.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors",
+                                                   "run.json", "status.json"]
     records = read_metrics(out)
     assert [(r["step"], r["epoch"]) for r in records if "val/accuracy" in r] == [(11, 1), (22, 2)]
     assert [r["val/samples"] for r in records if "val/accuracy" in r] == [359, 359]

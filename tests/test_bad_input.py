@@ -11,6 +11,7 @@ README's figure.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -29,7 +30,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clean_env, launch, load_template
-from helpers import snapshot
+from helpers import snapshot, wandb_history_steps
 
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
@@ -379,6 +380,38 @@ def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
     assert child.returncode == 130, stderr[-3000:]
     message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
     assert error_lines(stderr) == [message], stderr[-3000:]
+
+
+def test_ctrl_c_under_accelerate_launch_keeps_the_wandb_history_and_ends_with_the_one_line(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher too, and `accelerate launch` then terminates every process the
+    run started, W&B's service included: what W&B recorded until a second before the interrupt is in its offline
+    file (flushed every second), and stderr still ends with the one line."""
+    out = tmp_path / "run"
+    args = ["--epochs", "1000", "--width", "8", "--depth", "1", "--num_workers", "0", "--log_every_steps", "1",
+            "--tracker", "wandb", "--output_dir", str(out)]
+    child = subprocess.Popen([shutil.which("accelerate", path=os.path.dirname(sys.executable)), "launch",
+                              "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"), str(IMAGE), *args],
+                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        logged: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(logged) < 10 and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.2)
+            if (out / "metrics.jsonl").is_file():
+                logged = {json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()}
+        assert len(logged) >= 10, "the run logged nothing"
+        time.sleep(4)  # the steps in `logged` are now more than a flush interval old
+        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the terminal's whole foreground group
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130, stderr[-3000:]
+    message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
+    assert error_lines(stderr) == [message], stderr[-3000:]
+    steps = wandb_history_steps(out)
+    assert logged <= set(steps), (sorted(logged - set(steps))[:5], len(steps))
+    assert steps == sorted(set(steps))  # no step twice
 
 
 @pytest.mark.parametrize("program, batch_size, warning", [

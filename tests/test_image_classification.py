@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, copy_into_monorepo, copy_template_alone, launch, load_template
-from helpers import read_metrics, snapshot
+from helpers import is_png, read_metrics, snapshot
 from common.errors import read_status
 from common.optim import warmup_cosine
 
@@ -46,9 +46,11 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def run_template(config: str, output_dir: Path, *args: str,
-                 num_processes: int | None = None) -> subprocess.CompletedProcess:
-    return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes))
+def run_template(config: str, output_dir: Path, *args: str, num_processes: int | None = None,
+                 curves: bool = False) -> subprocess.CompletedProcess:
+    """`curves`: draw curves.png at the end, as outside the suite (conftest.py turns it off)."""
+    return ok(launch(config, TEMPLATE, *args, "--output_dir", str(output_dir), num_processes=num_processes,
+                     env=clean_env(CURVES_PNG="1") if curves else None))
 
 
 def val_records(output_dir: Path) -> list[dict]:
@@ -143,7 +145,7 @@ module.main()
 def plain_run(tmp_path_factory):
     """accelerate_configs/cpu.yaml, default batch size: the demo run."""
     out = tmp_path_factory.mktemp("plain") / "run"
-    result = run_template("cpu.yaml", out, *TINY)
+    result = run_template("cpu.yaml", out, *TINY, curves=True)
     return out, result
 
 
@@ -167,7 +169,7 @@ def ddp_baseline(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------ 1. cpu.yaml
-def test_cpu_run_writes_the_documented_outputs(plain_run):
+def test_cpu_run_writes_the_documented_outputs(plain_run, tmp_path):
     out, result = plain_run
     assert "NO on cpu, 1 process(es)" in result.stdout
     final = r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$"
@@ -182,6 +184,14 @@ def test_cpu_run_writes_the_documented_outputs(plain_run):
     assert any(re.fullmatch(r"best_step_\d{8}", name) for name in names), names
     assert not [name for name in names if name.startswith(".tmp-")], names
     assert (out / "model.safetensors").is_file()
+    # the run's curves, drawn by the main process at its end from metrics.jsonl, its best checkpoint marked
+    from common.tracking import best_checkpoint_step, curves_figure, metric_series, save_figure
+
+    assert is_png(out / "curves.png") and best_checkpoint_step(out) is not None
+    series = metric_series(read_metrics(out))
+    save_figure(curves_figure({str(out): series}, {str(out): best_checkpoint_step(out)}, title=str(out)),
+                tmp_path / "expected.png")
+    assert (out / "curves.png").read_bytes() == (tmp_path / "expected.png").read_bytes()
 
 
 def test_cpu_export_loads_into_the_plain_model(plain_run):
@@ -287,8 +297,9 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     first_stop, second_stop = per_epoch // 2 - 1, per_epoch + 2
     out = tmp_path / "run"
 
-    result = run_template(config, out, *EXACT, "--stop_after_steps", str(first_stop))
+    result = run_template(config, out, *EXACT, "--stop_after_steps", str(first_stop), curves=True)
     assert f"stopped at step {first_stop}" in result.stdout
+    stopped_picture = (out / "curves.png").read_bytes()  # a stopped run draws its curves too
     status = read_status(out)  # the end state, as written behind `accelerate launch`
     assert (status["state"], status["exit_code"], status["step"]) == ("stopped", 0, first_stop), status
     assert status["reason"] == "--stop_after_steps"
@@ -302,10 +313,12 @@ def test_stopped_and_resumed_run_is_bit_identical(config, processes, baseline, t
     # crossed into epoch 2
     assert (progress["epoch"], progress["batches_in_epoch"]) == (1, 2 * (second_stop - per_epoch))
 
-    result = run_template(config, out, *EXACT, "--resume", str(out))  # a run folder: its newest checkpoint
+    result = run_template(config, out, *EXACT, "--resume", str(out), curves=True)  # a run folder: its newest one
     assert f"resumed from {out / 'checkpoints' / f'step_{second_stop:08d}'}" in result.stdout
     assert "final validation accuracy" in result.stdout
     assert read_status(out)["state"] == "finished"
+    assert stopped_picture.startswith(b"\x89PNG") and is_png(out / "curves.png")
+    assert (out / "curves.png").read_bytes() != stopped_picture  # drawn again, from all three sessions
 
     assert differing_tensors(out / "model.safetensors", reference / "model.safetensors") == []
     strip = lambda records: [{k: v for k, v in r.items() if k != "time"} for r in records]  # noqa: E731

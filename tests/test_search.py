@@ -23,12 +23,12 @@ import yaml
 
 from conftest import (CONFIGS, REPO, clean_env, copy_template_alone, free_port, processes_mentioning,
                       wait_for_no_processes)
-from helpers import read_metrics
+from helpers import is_png, read_metrics
 
 from search import runner as search_module
 from search import seeds as seeds_module
-from search.runner import SearchConfig, fail_stale_trials, make_pruner, make_sampler
-from search.seeds import summarize
+from search.runner import HISTORY_FILE, IMPORTANCES_FILE, SearchConfig, fail_stale_trials, make_pruner, make_sampler
+from search.seeds import PICTURE_FILE, SeedsConfig, seed_band, summarize
 from search.sweep import build_command, check_command_files, load_sweep, with_launch
 from search.trial import run_trial
 
@@ -541,6 +541,10 @@ def test_search_finishes_prunes_and_leaves_no_process(image_search):
     best = max((t for t in results["trials"] if t["state"] == "complete"), key=lambda t: t["value"])
     assert results["best"]["number"] == best["number"] and results["best"]["params"] == best["args"]
     assert "best parameters: --learning_rate=" in done.stdout
+    assert is_png(out / "tiny" / HISTORY_FILE) and f"pictures: {out / 'tiny' / HISTORY_FILE}\n" in done.stdout
+    # learning_rate is the one parameter searched (the others are constants): all the importance is its own
+    assert not (out / "tiny" / IMPORTANCES_FILE).exists()
+    assert f"{IMPORTANCES_FILE} not drawn: parameter importances need 2 complete trials and 2 parameters" in done.stdout
     assert wait_for_no_processes(str(out)) == []
 
 
@@ -566,6 +570,7 @@ def test_seeds_rerun_the_best_trial_and_report_mean_and_sample_std(image_search,
     assert report["mean"] == pytest.approx(statistics.fmean(values))
     assert report["std"] == pytest.approx(statistics.stdev(values))
     assert report["std_kind"] == "sample standard deviation (ddof=1)"
+    assert is_png(seeds_out / "tiny" / PICTURE_FILE) and f"picture: {seeds_out / 'tiny' / PICTURE_FILE}" in ran.stdout
     assert wait_for_no_processes(str(seeds_out)) == []
 
 
@@ -581,6 +586,62 @@ def test_seeds_report_matches_known_values(tmp_path):
     assert report["std"] == pytest.approx(0.0216024689946929)  # numpy.std([0.5, 0.51, 0.52, 0.55], ddof=1)
     assert "0.52 ± 0.0216 (mean ± sample std, ddof=1, over 4 seeds)" in ran.stdout
     assert summarize([1.0]) == {"n": 1, "mean": 1.0, "std": None, "std_kind": "sample standard deviation (ddof=1)"}
+
+
+# ------------------------------------------------------------------------------------- pictures
+def study_of(params: list[str], trials: int):
+    """An in-memory study whose value is the sum of its parameters, each drawn from [0, 1]."""
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(trials):
+        trial = study.ask()
+        study.tell(trial, sum(trial.suggest_float(name, 0.0, 1.0) for name in params))
+    return study
+
+
+def test_the_search_draws_its_history_and_the_importances_of_the_parameters_that_vary(tmp_path, capsys):
+    written = search_module.draw_study(study_of(["learning_rate", "weight_decay"], 4), tmp_path, "val/accuracy")
+    assert written == [tmp_path / HISTORY_FILE, tmp_path / IMPORTANCES_FILE] and all(map(is_png, written))
+    assert capsys.readouterr().out == f"pictures: {tmp_path / HISTORY_FILE}, {tmp_path / IMPORTANCES_FILE}\n"
+    for params, trials, why in ((["learning_rate"], 4, "here 4 complete, varying: learning_rate"),
+                                (["learning_rate", "weight_decay"], 1, "here 1 complete, varying: none")):
+        folder = tmp_path / f"{len(params)}_{trials}"
+        folder.mkdir()
+        assert search_module.draw_study(study_of(params, trials), folder, "val/accuracy") == [folder / HISTORY_FILE]
+        assert is_png(folder / HISTORY_FILE) and not (folder / IMPORTANCES_FILE).exists()
+        assert capsys.readouterr().out.splitlines() == [
+            f"{IMPORTANCES_FILE} not drawn: parameter importances need 2 complete trials and 2 parameters that vary "
+            f"among them ({why})", f"pictures: {folder / HISTORY_FILE}"]
+
+
+def test_without_matplotlib_the_search_and_the_seeds_say_so_in_one_line_and_end_as_before(tmp_path, monkeypatch,
+                                                                                           capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert search_module.draw_study(study_of(["a", "b"], 3), tmp_path, "val/accuracy") == []
+    assert capsys.readouterr().out == "the search's pictures not drawn: matplotlib is not installed (pip install " \
+                                      "matplotlib)\n"
+    sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 2}, "sleep": {"value": 0}})
+    cfg = SeedsConfig(sweep=str(sweep), seeds=[0, 1], output_dir=str(tmp_path / "s"))
+    report = seeds_module.run_seeds(cfg, [])
+    assert [run["value"] for run in report["seeds"]] == [0.5, 0.51]
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [f"report: {tmp_path / 's' / 'fake' / 'seeds.json'}",
+                        f"{PICTURE_FILE} not drawn: matplotlib is not installed (pip install matplotlib)"]
+    assert sorted(p.name for p in (tmp_path / "s" / "fake").iterdir()) == ["seed_0", "seed_1", "seeds.json"]
+
+
+def test_seed_pictures_show_each_seed_and_the_mean_and_std_where_every_complete_seed_evaluated(tmp_path):
+    curves = {0: [(10, 0.5), (20, 0.7), (30, 0.8)], 1: [(10, 0.6), (20, 0.9)], 2: [(10, 0.1)]}  # seed 2 failed
+    steps, mean, std = seed_band(curves, complete=[0, 1])
+    assert steps == [10, 20] and mean == pytest.approx([0.55, 0.8]) and std == pytest.approx([0.0707107, 0.1414214])
+    assert seed_band(curves, complete=[0]) == ([], [], [])  # one seed: no spread to show
+    figure = seeds_module.draw_seeds(curves, [0, 1], "val/accuracy", tmp_path / PICTURE_FILE)
+    assert is_png(tmp_path / PICTURE_FILE)
+    (ax,) = figure.axes
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert lines["seed 0"] == ([10, 20, 30], [0.5, 0.7, 0.8]) and lines["seed 2 (failed)"] == ([10], [0.1])
+    assert lines["mean of 2 seeds"][0] == [10, 20] and lines["mean of 2 seeds"][1] == pytest.approx([0.55, 0.8])
+    (band,) = ax.collections  # the ± std band
+    assert band.get_paths()[0].get_extents().y0 == pytest.approx(0.55 - 0.0707107)
 
 
 # ----------------------------------------------------------------------- workers, storage, restarts

@@ -12,9 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import is_png
+
+import common.tracking as tracking
 from common.accelerator import build_accelerator
 from common.errors import UsageError
-from common.tracking import METRICS_FILE, Tracker, wandb_has_credentials
+from common.tracking import CURVES_FILE, METRICS_FILE, Tracker, curve_panels, metric_series, wandb_has_credentials
 
 MAIN, OTHER_RANK = SimpleNamespace(is_main_process=True), SimpleNamespace(is_main_process=False)
 
@@ -130,6 +133,149 @@ def test_fresh_start_in_a_folder_with_old_metrics_keeps_none_of_them(tmp_path):
     write_lines(path, [1, 2, 3])
     Tracker(MAIN, tmp_path, kind="none", project="p", config={}, resume_step=0)
     assert strict_lines(path) == []
+
+
+# --- curves.png ------------------------------------------------------------------------------------
+
+def log_a_run(tracker: Tracker, steps, scale: float = 1.0) -> None:
+    """What a template logs: training lines every step, an evaluation every 4th step (its own line)."""
+    for step in steps:
+        tracker.log({"train/loss": scale / step, "lr": 0.01 * step, "images_per_s": 100.0 + step,
+                     "train/skipped_steps": 0, "epoch": step / 8}, step=step)
+        if step % 4 == 0:
+            tracker.log({"val/loss": scale / step + 0.1, "val/accuracy": 1 - 1 / step, "val/samples": 359,
+                         "epoch": step // 8}, step=step)
+
+
+def mark_best_checkpoint(output_dir: Path, step: int) -> None:
+    """A complete best checkpoint's folder, as CheckpointManager leaves it (only its progress file matters here)."""
+    folder = output_dir / "checkpoints" / f"best_step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "progress.json").write_text("{}")
+
+
+@pytest.fixture(autouse=True)
+def curves_on(monkeypatch):
+    """The suite runs without pictures (conftest.py); these tests are about them."""
+    monkeypatch.setenv("CURVES_PNG", "1")
+
+
+def test_curves_png_0_in_the_environment_skips_the_picture(tmp_path, monkeypatch, drawn):
+    monkeypatch.setenv("CURVES_PNG", "0")
+    tracker = Tracker(MAIN, tmp_path, kind="none", project="p", config={})
+    log_a_run(tracker, range(1, 5))
+    tracker.finish()
+    assert drawn == [] and not (tmp_path / CURVES_FILE).exists()
+
+
+@pytest.fixture
+def drawn(monkeypatch) -> list:
+    """Every Figure the tracker draws at its end, in order (the real drawing, watched)."""
+    figures = []
+
+    def watched(output_dir):
+        figures.append(real(output_dir))
+        return figures[-1]
+
+    real = tracking.draw_run_curves
+    monkeypatch.setattr(tracking, "draw_run_curves", watched)
+    return figures
+
+
+def plotted(figure) -> dict[str, dict[str, tuple[list, list]]]:
+    """panel title -> line label -> (x, y), read back from the Figure's own lines."""
+    return {ax.get_title(): {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                             for line in ax.get_lines()} for ax in figure.axes if ax.get_title()}
+
+
+def test_metric_series_keeps_one_value_a_step_the_last_logged(tmp_path):
+    records = [{"step": 1, "time": 0.1, "train/loss": 2.0, "note": "x", "flag": True},
+               {"step": 3, "train/loss": 1.0, "val/loss": None},  # a non-finite value, written as null
+               {"step": 2, "train/loss": 1.5},
+               {"step": 3, "train/loss": 0.5, "epoch": 1}]  # step 3 again (a session that ran past its resume)
+    assert metric_series(records) == {"train/loss": ([1, 2, 3], [2.0, 1.5, 0.5])}
+
+
+def test_panels_group_losses_and_throughputs_and_leave_out_constants():
+    series = metric_series([{"step": s, "train/loss": 1 / s, "val/loss": 2 / s, "lr": 0.1, "tokens_per_s": s,
+                             "val/accuracy": s / 10, "val/samples": 359, "peak_memory_gb": 0.0} for s in (1, 2)])
+    assert curve_panels([series]) == [("loss", ["train/loss", "val/loss"]), ("learning rate", ["lr"]),
+                                      ("throughput (per second)", ["tokens_per_s"]), ("val/accuracy", ["val/accuracy"])]
+
+
+def test_a_finished_run_draws_curves_png_from_metrics_jsonl_with_its_best_checkpoint(tmp_path, drawn):
+    tracker = Tracker(MAIN, tmp_path, kind="none", project="p", config={})
+    log_a_run(tracker, range(1, 9))
+    mark_best_checkpoint(tmp_path, 4)
+    tracker.finish()
+    picture = tmp_path / CURVES_FILE
+    assert is_png(picture)
+    (figure,) = drawn
+    from PIL import Image
+
+    with Image.open(picture) as image:  # the file is this figure, drawn whole
+        assert image.size == tuple(round(inches * 100) for inches in figure.get_size_inches())
+    panels = plotted(figure)
+    assert list(panels) == ["loss", "learning rate", "throughput (per second)", "val/accuracy"]
+    assert panels["loss"]["train/loss"] == (list(range(1, 9)), [1 / s for s in range(1, 9)])
+    assert panels["loss"]["val/loss"] == ([4, 8], [1 / 4 + 0.1, 1 / 8 + 0.1])
+    assert panels["learning rate"]["lr"] == (list(range(1, 9)), [0.01 * s for s in range(1, 9)])
+    assert panels["throughput (per second)"]["images_per_s"][1] == [100.0 + s for s in range(1, 9)]
+    assert panels["val/accuracy"]["val/accuracy"] == ([4, 8], [0.75, 0.875])
+    assert panels["loss"]["best checkpoint (step 4)"][0] == [4, 4]  # the best checkpoint's step, marked
+    assert all(any(x == [4, 4] for x, _ in lines.values()) for lines in panels.values())  # in every panel
+
+
+def test_a_stopped_then_resumed_run_draws_each_step_once_from_every_session(tmp_path, drawn):
+    first = Tracker(MAIN, tmp_path, kind="none", project="p", config={})
+    log_a_run(first, range(1, 7))  # logged up to step 6; its last checkpoint was step 4
+    first.finish()
+    assert is_png(tmp_path / CURVES_FILE) and plotted(drawn[0])["loss"]["train/loss"][0] == list(range(1, 7))
+    resumed = Tracker(MAIN, tmp_path, kind="none", project="p", config={}, resume_step=4)
+    log_a_run(resumed, range(5, 11), scale=3.0)  # steps 5 and 6 again, with other values
+    resumed.finish()
+    steps, values = plotted(drawn[1])["loss"]["train/loss"]
+    assert steps == list(range(1, 11))
+    assert values == [1 / s for s in range(1, 5)] + [3 / s for s in range(5, 11)]
+    assert plotted(drawn[1])["loss"]["val/loss"][0] == [4, 8]
+
+
+def test_without_matplotlib_the_run_ends_normally_and_one_line_says_how_to_get_the_picture(
+    tmp_path, monkeypatch, capsys, fake_wandb
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    tracker = Tracker(MAIN, tmp_path, kind="wandb", project="p", config={})
+    run = tracker.run
+    log_a_run(tracker, range(1, 5))
+    tracker.finish()
+    assert run.finished and not (tmp_path / CURVES_FILE).exists()
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if CURVES_FILE in line]
+    assert lines == [f"{CURVES_FILE} not drawn: matplotlib is not installed; pip install matplotlib, then "
+                     f"python scripts/plot_runs.py {tmp_path}"], out
+    assert err == ""
+
+
+def test_a_failure_to_draw_is_one_warning_and_the_run_still_ends(tmp_path, monkeypatch, capsys, fake_wandb):
+    def broken(*args, **kwargs):
+        raise ValueError("no room for the axes")
+
+    monkeypatch.setattr(tracking, "curves_figure", broken)
+    tracker = Tracker(MAIN, tmp_path, kind="wandb", project="p", config={})
+    run = tracker.run
+    log_a_run(tracker, range(1, 5))
+    tracker.finish()
+    assert run.finished and not (tmp_path / CURVES_FILE).exists()
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"warning: {CURVES_FILE} could not be drawn (ValueError: no room for the axes); "
+                                f"the values are in {tmp_path / METRICS_FILE}"]
+
+
+def test_curves_are_drawn_by_the_main_process_only(tmp_path, drawn):
+    tracker = Tracker(OTHER_RANK, tmp_path, kind="none", project="p", config={})
+    log_a_run(tracker, range(1, 5))
+    tracker.finish()
+    assert drawn == [] and not (tmp_path / CURVES_FILE).exists()
 
 
 # --- W&B (faked): when it starts, in which mode, with which run id --------------------------------
