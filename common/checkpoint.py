@@ -94,7 +94,7 @@ class TrainingState:
 
     def take_interval_loss(self) -> float:
         """The log interval's mean training loss, per micro-batch or, where it was counted by `count_step`, per target
-        token; read on the host (the one host sync of a log step). The next interval starts empty."""
+        token; read on the host only here, where a log step waits for the device. The next interval starts empty."""
         mean = float(self.interval_loss_sum) / (self.interval_batches or float(self.interval_targets))
         self.interval_loss_sum, self.interval_batches, self.interval_targets = 0.0, 0, 0.0
         return mean
