@@ -141,6 +141,7 @@ class PreemptionWatcher:
         self.num_processes = accelerator.num_processes
         self.device = accelerator.device
         self.received: int | None = None
+        self.stop_agreed = False  # the last `stop_requested()` answer: the ranks stop for a signal (`end_run`)
         self._agreed: int | None = None  # the stop flag check_step agreed on, for the next stop_requested()
         for signum in signals:
             signal.signal(signum, self._on_signal)
@@ -188,7 +189,8 @@ class PreemptionWatcher:
                 local = int(flag.item())
         if local and self.received is None:  # another rank's signal: adopt it, so every rank ends alike
             self.received = next(signum for signum, rank in _RANK.items() if rank == local)
-        return bool(local)
+        self.stop_agreed = bool(local)
+        return self.stop_agreed
 
     @property
     def requeue(self) -> bool:
@@ -207,15 +209,21 @@ class PreemptionWatcher:
         return f"{name} from the W&B sweep agent (early termination or a stopped sweep: not requeued)"
 
 
-def end_run(accelerator: Accelerator, status, tracker, preemption: PreemptionWatcher, stopping: bool,
-            reason: str) -> None:
+def end_run(accelerator: Accelerator, *, status, tracker, preemption: PreemptionWatcher, stopping: bool,
+            reason: str | None = None) -> None:
     """What every run does last: record how it ended (status.json, W&B), close the process group, say why it
     stopped, and exit with 75 when it must come back (preempted, not stopped for good by a sweep agent), so a
     job script or W&B requeues it.
 
+    `stopping`: the loop stopped for a stop signal or --stop_after_steps, and saved a checkpoint there. The reason
+    recorded (status.json, the stop line) is the signal the ranks agreed on at the last step, else
+    --stop_after_steps when `stopping`, else none; a template's own `reason` (early stopping) replaces it.
+
     The stop line comes after W&B's own lines, as the last one; on stderr when the run exits 75, since
     `accelerate launch` shows (without -q) the tail of stderr when a run exits with another code than 0.
     """
+    if reason is None:
+        reason = preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps" if stopping else ""
     requeue = stopping and preemption.requeue
     status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
     tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)

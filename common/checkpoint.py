@@ -65,11 +65,39 @@ class TrainingState:
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
     # The training loss of the log interval in progress (sum over its micro-batches, and their count; or of
     # its tokens, where the loss is a token-weighted mean), so the first value logged after a resume is the one
-    # an uninterrupted run logs, whatever the intervals. The loop adds detached losses on the device (a
-    # tensor): the host reads it when it logs or saves.
+    # an uninterrupted run logs, whatever the intervals. `count_micro_batch` or `count_step` add detached losses on
+    # the device (a tensor): the host reads it when it logs (`take_interval_loss`) or saves.
     interval_loss_sum: float | torch.Tensor = 0.0
     interval_batches: int = 0
     interval_targets: float | torch.Tensor = 0.0  # target tokens (the fine-tuning template's token-weighted loss)
+
+    # The loop's bookkeeping. Exact resume depends on these lines: a resume skips `batches_in_epoch` batches of
+    # `epoch`'s shuffle, and the loss logged after it continues the interval the checkpoint held.
+    def count_micro_batch(self, batches_per_epoch: int, loss: torch.Tensor | None = None) -> None:
+        """One more micro-batch of `epoch` trained on; after the epoch's last, the next epoch starts at its first
+        batch. `loss` (the micro-batch's mean loss) joins the log interval: detached, so no graph is kept, and
+        added on the device, so nothing waits for the GPU here."""
+        self.batches_in_epoch += 1
+        if self.batches_in_epoch == batches_per_epoch:
+            self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+        if loss is not None:
+            self.interval_loss_sum += loss.detach()
+            self.interval_batches += 1
+
+    def count_step(self, loss_sum: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> None:
+        """One more optimizer step. A token-weighted loss joins the log interval here, once the step is complete:
+        the step's (detached) loss sum and its count of target tokens, every rank's, on the device."""
+        self.step += 1
+        if loss_sum is not None:
+            self.interval_loss_sum += loss_sum
+            self.interval_targets += targets
+
+    def take_interval_loss(self) -> float:
+        """The log interval's mean training loss, per micro-batch or, where it was counted by `count_step`, per target
+        token; read on the host only here, where a log step waits for the device. The next interval starts empty."""
+        mean = float(self.interval_loss_sum) / (self.interval_batches or float(self.interval_targets))
+        self.interval_loss_sum, self.interval_batches, self.interval_targets = 0.0, 0, 0.0
+        return mean
 
 
 class CheckpointManager:

@@ -186,9 +186,15 @@ MUTATIONS = [
              tests=CLIPPED.format("fp32-" + lm)),
     mutation("no-clipping", "loop: clipping", LM, CLIP, CLIP.replace("cfg.grad_clip or math.inf", "math.inf"),
              tests=CLIPPED.format("fp32-" + lm)),
-    mutation("loss-accumulated-with-graph", "loop: loss.item()", LM,
-             "state.interval_loss_sum += loss.detach()", "state.interval_loss_sum += loss",
+    mutation("loss-accumulated-with-graph", "loop: loss.item()", CHECKPOINT,  # TrainingState.count_micro_batch
+             "self.interval_loss_sum += loss.detach()", "self.interval_loss_sum += loss",
              tests=NO_GRAPH.format(lm)),
+    mutation("interval-loss-not-restarted", "loop: loss.item()", CHECKPOINT,  # TrainingState.take_interval_loss
+             "        self.interval_loss_sum, self.interval_batches, self.interval_targets = 0.0, 0, 0.0\n", "",
+             tests=LOGGED_LOSS.format(image)),
+    mutation("epoch-not-rolled-over", "loaders: set_epoch", CHECKPOINT,  # TrainingState.count_micro_batch
+             "self.epoch, self.batches_in_epoch = self.epoch + 1, 0", "self.batches_in_epoch = 0",
+             tests=EPOCH_ORDER.format(lm)),
     mutation("no-accelerator-accumulate", "loop: accelerator.accumulate", IMAGE,
              "            with accelerator.accumulate(model):", "            if True:",
              tests=STEP_ORDER.format("2-" + image)),

@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
     session_steps = 0
     metrics: dict[str, float] = {}
-    stopping = preempted = False
+    stopping = False
 
     def patience_exhausted() -> bool:  # from the state alone, so a resumed run goes on counting where it stopped
         return bool(cfg.early_stopping_patience and state.best_step is not None and
@@ -691,41 +691,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                              f"{(step_sums[0] / step_sums[1]).item()}); {ckpt.kept()}")
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
-            state.batches_in_epoch += 1
-            if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
-                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+            state.count_micro_batch(batches_per_epoch)  # data position and epoch: what resumes
             if not accelerator.sync_gradients:
                 continue
-            # every rank's loss and target count (the same on all ranks), on the device, read when logged
-            state.interval_loss_sum += step_sums[0]
-            state.interval_targets += step_sums[1]
-            step_sums = torch.zeros(2, device=accelerator.device)
             scheduler.step()
-            state.step += 1
+            # the step's loss and target count, every rank's (the same on all ranks), join the log interval
+            state.count_step(loss_sum=step_sums[0], targets=step_sums[1])
+            step_sums = torch.zeros(2, device=accelerator.device)
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                logged = {"train/loss": float(state.interval_loss_sum) / float(state.interval_targets),
-                          **throughput.read(),
+                logged = {"train/loss": state.take_interval_loss(), **throughput.read(),  # the next interval starts
                           "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps}
                 tracker.log(logged, step=state.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}",
                                 data_wait=f"{logged['time/data_wait']:.0%}")
-                state.interval_loss_sum, state.interval_targets = 0.0, 0.0
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
                 early_stopped = patience_exhausted()  # the same on every rank: val/loss is gathered
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
-            preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
-            if state.step == cfg.max_steps or early_stopped:
-                break
-            if preempted or session_steps == cfg.stop_after_steps:
-                stopping = True
+            finished = state.step == cfg.max_steps or early_stopped
+            # all ranks agree on a stop signal (check_step exchanged them), so they stop at the same step
+            stopping = preemption.stop_requested() or session_steps == cfg.stop_after_steps
+            if stopping or finished:
+                stopping = not finished  # at the run's end it has finished, whatever else stops it
                 break
     bar.close()
 
-    reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
+    reason = None  # end_run's own: the stop signal or --stop_after_steps
     if early_stopped:
         reason = (f"early stopping: no better val/loss in {cfg.early_stopping_patience} evaluations after step "
                   f"{state.best_step}")
@@ -757,7 +751,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 prompt_ids = example.input_ids[:first]
             sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
             accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
+    # status.json, W&B, why it stopped (early stopping, its stop signal, --stop_after_steps); exit code 75: requeue
+    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping, reason=reason)
     return metrics
 
 

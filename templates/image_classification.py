@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar = progress_bar(accelerator, total_steps, initial=state.step)
     session_steps = 0
     metrics: dict[str, float] = {}
-    stopping = preempted = False
+    stopping = False
     for epoch in range(state.epoch, cfg.epochs):
         model.train()
         train_loader.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
@@ -291,25 +291,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 # an fp16 overflow: the scaler skipped this step (counted over the whole run)
                 state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
-            state.batches_in_epoch += 1
-            if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
-                state.epoch, state.batches_in_epoch = epoch + 1, 0
-            state.interval_loss_sum += loss.detach()  # no graph kept; on the device, read when logged
-            state.interval_batches += 1
+            state.count_micro_batch(batches_per_epoch, loss)  # data position, epoch, interval loss: what resumes
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            state.step += 1
+            state.count_step()
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                logged = {"train/loss": float(state.interval_loss_sum) / state.interval_batches,  # read here
+                logged = {"train/loss": state.take_interval_loss(),  # read here; the next interval starts
                           "lr": scheduler.get_last_lr()[0], **throughput.read(),
                           "train/skipped_steps": state.skipped_steps,
                           "epoch": state.epoch + state.batches_in_epoch / batches_per_epoch}
                 tracker.log(logged, step=state.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", data_wait=f"{logged['time/data_wait']:.0%}")
-                state.interval_loss_sum, state.interval_batches = 0.0, 0
             if state.batches_in_epoch == 0:  # the epoch's last step: evaluate, then checkpoint with the result
                 metrics = evaluate(model, val_loader, accelerator)
                 tracker.log(metrics | {"epoch": state.epoch}, step=state.step)
@@ -318,16 +313,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 ckpt.save(state, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
-            preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
-            if preempted or session_steps == cfg.stop_after_steps:
-                stopping = True
+            # all ranks agree on a stop signal (check_step exchanged them), so they stop at the same step
+            stopping = preemption.stop_requested() or session_steps == cfg.stop_after_steps
+            if stopping:
                 break
         if stopping:
-            ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
             break
     bar.close()
 
-    reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
+    if stopping:
+        ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
     if state.epoch == cfg.epochs:
         if not metrics:  # resumed a finished run: report it again
             metrics = evaluate(model, val_loader, accelerator)
@@ -336,7 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tracker.summary(metrics | {"best/val_accuracy": state.best_metric})
         accelerator.print(f"final validation accuracy: {metrics['val/accuracy']:.2%} "
                           f"(best {state.best_metric:.2%} at step {state.best_step})")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
+    # status.json, W&B, why it stopped (its stop signal, --stop_after_steps); exit code 75: requeue
+    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping)
     return metrics
 
 

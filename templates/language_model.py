@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
     session_steps = 0
     metrics: dict[str, float] = {}
-    stopping = preempted = False
+    stopping = False
     model.train()
     throughput.restart()
     while state.step < cfg.max_steps and not stopping:
@@ -381,37 +381,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()  # skipped by accelerate until the accumulation window is complete
                 # an fp16 overflow: the scaler skipped this step (counted over the whole run)
                 state.skipped_steps += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped
-            state.batches_in_epoch += 1
-            if state.batches_in_epoch == batches_per_epoch:  # the epoch is done; the next starts from its first batch
-                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-            state.interval_loss_sum += loss.detach()  # no graph kept; on the device, read when logged
-            state.interval_batches += 1
+            state.count_micro_batch(batches_per_epoch, loss)  # data position, epoch, interval loss: what resumes
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            state.step += 1
+            state.count_step()
             session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
-                logged = {"train/loss": float(state.interval_loss_sum) / state.interval_batches, **throughput.read(),
+                logged = {"train/loss": state.take_interval_loss(), **throughput.read(),  # the next interval starts
                           "lr": scheduler.get_last_lr()[0], "train/skipped_steps": state.skipped_steps}
                 tracker.log(logged, step=state.step)
                 bar.set_postfix(loss=f"{logged['train/loss']:.4f}", tok_s=f"{logged['tokens_per_s']:,.0f}",
                                 data_wait=f"{logged['time/data_wait']:.0%}")
-                state.interval_loss_sum, state.interval_batches = 0.0, 0
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
-            preempted = preemption.stop_requested()  # all ranks agree, so they stop at the same step
-            if state.step == cfg.max_steps:
-                break
-            if preempted or session_steps == cfg.stop_after_steps:
-                stopping = True
+            finished = state.step == cfg.max_steps
+            # all ranks agree on a stop signal (check_step exchanged them), so they stop at the same step
+            stopping = preemption.stop_requested() or session_steps == cfg.stop_after_steps
+            if stopping or finished:
+                stopping = not finished  # at the run's end it has finished, whatever else stops it
                 break
     bar.close()
 
-    reason = preemption.stop_reason() if preempted else "--stop_after_steps" if stopping else ""
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
     if state.step == cfg.max_steps:
@@ -430,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
             sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
             accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
-    end_run(accelerator, status, tracker, preemption, stopping, reason)  # status.json, W&B, why it stopped; 75: requeue
+    # status.json, W&B, why it stopped (its stop signal, --stop_after_steps); exit code 75: requeue
+    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping)
     return metrics
 
 

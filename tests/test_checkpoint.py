@@ -100,8 +100,8 @@ def test_resume_restores_the_whole_state_exactly(tmp_path, fresh_accelerate):
     first.ckpt.resume("none")
     torch.manual_seed(1), np.random.seed(1), random.seed(1)
     train(first, 3)
-    progress = TrainingState(step=3, epoch=1, batches_in_epoch=5, best_metric=0.25, best_step=2)
-    path = first.ckpt.save(progress)
+    state = TrainingState(step=3, epoch=1, batches_in_epoch=5, best_metric=0.25, best_step=2)
+    path = first.ckpt.save(state)
     assert path.name == "step_00000003"
     assert (path / "random_states_0.pkl").is_file()  # this rank's RNG is part of the checkpoint
     at_save = params(first), copy.deepcopy(first.optimizer.state_dict()), first.scheduler.get_last_lr()
@@ -115,12 +115,12 @@ def test_resume_restores_the_whole_state_exactly(tmp_path, fresh_accelerate):
     resumed = setup(tmp_path / "run", init_seed=5)
     assert not same_tensors(params(resumed), at_save[0])
     restored = resumed.ckpt.resume("auto")
-    assert restored == progress  # step, epoch, position in the epoch, best metric and its step
+    assert restored == state  # step, epoch, position in the epoch, best metric and its step
     assert same_tensors(params(resumed), at_save[0])
     optimizer_state = resumed.optimizer.state_dict()
     assert optimizer_state["param_groups"] == at_save[1]["param_groups"]
-    for index, state in at_save[1]["state"].items():
-        assert same_tensors(optimizer_state["state"][index], state)  # AdamW moments and step count
+    for index, moments in at_save[1]["state"].items():
+        assert same_tensors(optimizer_state["state"][index], moments)  # AdamW moments and step count
     assert resumed.scheduler.get_last_lr() == at_save[2]
     assert resumed.scheduler.scheduler.last_epoch == 3
     assert (torch.rand(3).tolist(), float(np.random.rand()), random.random()) == draws  # torch, numpy, random
@@ -136,6 +136,65 @@ def test_progress_json_records_the_run(job):
     assert (meta["step"], meta["epoch"], meta["batches_in_epoch"]) == (4, 2, 1)
     run = json.loads((job.ckpt.output_dir / "run.json").read_text())
     assert run == {"template": "tiny", "config": {"width": 8}}
+
+
+# --- the loop's bookkeeping on TrainingState ------------------------------------------------------
+
+def test_count_micro_batch_rolls_the_epoch_over_after_its_last_batch():
+    state = TrainingState()
+    positions = []
+    for _ in range(7):
+        state.count_micro_batch(3)
+        positions.append((state.epoch, state.batches_in_epoch))
+    assert positions == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]  # a resume skips that many batches
+    assert state.step == 0 and state.interval_batches == 0 and state.interval_loss_sum == 0.0  # no loss: not counted
+    resumed = TrainingState(step=4, epoch=5, batches_in_epoch=2)  # mid-epoch, as a checkpoint restores it
+    resumed.count_micro_batch(3)
+    assert (resumed.epoch, resumed.batches_in_epoch) == (6, 0)
+    resumed.count_step()
+    assert resumed.step == 5 and (resumed.epoch, resumed.batches_in_epoch) == (6, 0)
+
+
+def test_interval_loss_is_the_mean_of_its_micro_batches_kept_on_the_device_until_taken():
+    weight = torch.tensor(1.0, requires_grad=True)
+    state = TrainingState()
+    for value in (1.0, 2.0, 4.5):
+        state.count_micro_batch(10, weight * value)  # a loss with its autograd graph, as the loop has it
+    # Not read on the host (a tensor, no float), and no graph kept alive through the sum
+    assert isinstance(state.interval_loss_sum, torch.Tensor) and not state.interval_loss_sum.requires_grad
+    assert state.interval_batches == 3
+    assert state.take_interval_loss() == 2.5  # (1 + 2 + 4.5) / 3
+    assert (state.interval_loss_sum, state.interval_batches, state.interval_targets) == (0.0, 0, 0.0)
+    state.count_micro_batch(10, torch.tensor(3.0))
+    state.count_step()  # the step counts no loss of its own: the micro-batches did
+    assert state.take_interval_loss() == 3.0  # the next interval starts empty
+
+
+def test_token_weighted_interval_loss_is_the_mean_over_the_target_tokens_of_its_steps():
+    state = TrainingState()
+    state.count_micro_batch(10)
+    state.count_step(loss_sum=torch.tensor(6.0), targets=torch.tensor(3.0))  # a mean of 2 over 3 tokens
+    state.count_micro_batch(10)
+    state.count_step(loss_sum=torch.tensor(10.0), targets=torch.tensor(1.0))  # a mean of 10 over 1 token
+    assert state.step == 2 and state.interval_batches == 0
+    assert isinstance(state.interval_loss_sum, torch.Tensor) and isinstance(state.interval_targets, torch.Tensor)
+    assert state.take_interval_loss() == 4.0  # 16 / 4 tokens, not the mean of the steps' means (6)
+    assert (state.interval_loss_sum, state.interval_batches, state.interval_targets) == (0.0, 0, 0.0)
+    state.count_step(loss_sum=torch.tensor(1.5), targets=torch.tensor(2.0))
+    assert state.take_interval_loss() == 0.75
+
+
+@pytest.mark.parametrize("by", ["batches", "targets"])
+def test_an_interval_cut_by_a_checkpoint_logs_after_the_resume_what_it_would_have(job, tmp_path, by):
+    state = TrainingState(step=1)
+    for value in (0.3, 0.7, 1.9):
+        if by == "batches":
+            state.count_micro_batch(10, torch.tensor(value))
+        else:
+            state.count_step(loss_sum=torch.tensor(value), targets=torch.tensor(value * 2 + 1))
+    job.ckpt.save(state)
+    restored = setup(tmp_path / "run").ckpt.resume("auto")
+    assert restored.take_interval_loss() == state.take_interval_loss()
 
 
 # --- periodic and best, keep last K ------------------------------------------------------------
@@ -507,11 +566,11 @@ TWO_RANK_SCRIPT = textwrap.dedent("""
     ticks = job.scheduler.scheduler.last_epoch
     torch.manual_seed(99); np.random.seed(99); random.seed(99)
     again = CheckpointManager(job.accelerator, output, template="tiny", config={{"width": 8}}, metric="val/accuracy")
-    progress = again.resume("auto")
+    state = again.resume("auto")
     after_load = [torch.rand(2).tolist(), float(np.random.rand()), random.random()]
     with open(f"{{output}}/rank{{job.accelerator.process_index}}.json", "w") as handle:
         json.dump({{"world": job.accelerator.num_processes, "after_save": after_save, "after_load": after_load,
-                   "step": progress.step, "ticks": ticks,
+                   "step": state.step, "ticks": ticks,
                    "ticks_restored": job.scheduler.scheduler.last_epoch}}, handle)
 """)
 
@@ -793,14 +852,14 @@ def test_a_failed_background_write_ends_the_run_at_the_next_step(tmp_path, fresh
     before = snapshot(job.ckpt.dir)
     monkeypatch.setattr(job.ckpt, "_write_state", crash)
     watcher = PreemptionWatcher(job.accelerator, signals=())
-    progress = TrainingState(step=2)
-    job.ckpt.save(progress)
+    state = TrainingState(step=2)
+    job.ckpt.save(state)
     job.ckpt._pending._thread.join()  # the write has failed; the training thread has not looked yet
-    assert job.ckpt.save_if_due(progress) is None  # not agreed yet: the step before the check goes on
+    assert job.ckpt.save_if_due(state) is None  # not agreed yet: the step before the check goes on
     assert watcher.check_step(torch.tensor(1.0), job.ckpt) is True
     with pytest.raises(SaveError, match=r"saving checkpoint \S+step_00000002 failed: No space left on device; "
                                         r"the previous checkpoints are intact \(newest: step_00000001\)"):
-        job.ckpt.save_if_due(progress)
+        job.ckpt.save_if_due(state)
     assert {k: v for k, v in snapshot(job.ckpt.dir).items() if not k.startswith(".tmp-")} == before
 
 

@@ -7,15 +7,26 @@ import signal
 
 import pytest
 
-from common.accelerator import PreemptionWatcher, build_accelerator
+from common.accelerator import PreemptionWatcher, build_accelerator, end_run
+from common.checkpoint import TrainingState
+from common.errors import EXIT_PREEMPTED, RunStatus, at_failure, read_status
+from common.tracking import Tracker
 
 
 @pytest.fixture
-def watcher(fresh_accelerate, monkeypatch):
+def run(fresh_accelerate):
+    """An accelerator and the stop-signal watcher of its run; the signal handlers are put back afterwards."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    yield PreemptionWatcher(build_accelerator(seed=0))
+    accelerator = build_accelerator(seed=0)
+    yield accelerator, PreemptionWatcher(accelerator)
     for signum, handler in previous.items():
         signal.signal(signum, handler)
+    at_failure(None)  # RunStatus registered itself for the failure of a main() that never ran
+
+
+@pytest.fixture
+def watcher(run):
+    return run[1]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -37,3 +48,40 @@ def test_under_wandb_agent_sigterm_stops_for_good_and_sigusr1_requeues(watcher, 
     assert watcher.stop_requested() and watcher.requeue
     os.kill(os.getpid(), signal.SIGTERM)  # ... and is not undone by a later SIGTERM
     assert watcher.requeue
+
+
+END_OF = {  # how the loop ended -> (status.json's state, its reason, the exit code)
+    "finished": ("finished", "", None),
+    "stop_after_steps": ("stopped", "--stop_after_steps", None),
+    "signal": ("preempted", "SIGUSR1 (preemption)", EXIT_PREEMPTED),
+    # A signal after the ranks' last agreement (here while a finished run exports) stopped nothing
+    "signal_after_the_last_step": ("finished", "", None),
+    "early_stopping": ("finished", "early stopping: no better val/loss in 2 evaluations after step 3", None),
+}
+
+
+@pytest.mark.parametrize("end", sorted(END_OF))
+def test_end_run_records_how_the_run_ended_and_why_from_the_agreed_stop(run, tmp_path, monkeypatch, capsys, end):
+    monkeypatch.delenv("WANDB_SWEEP_ID", raising=False)
+    accelerator, watcher = run
+    status = RunStatus(accelerator, tmp_path, TrainingState(step=7))
+    tracker = Tracker(accelerator, tmp_path, kind="none", project="", config={})
+    if end == "signal":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert watcher.stop_requested() == (end == "signal")  # the loop's last step: every rank agrees
+    if end == "signal_after_the_last_step":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    stopping = end in ("stop_after_steps", "signal")
+    reason = END_OF["early_stopping"][1] if end == "early_stopping" else None  # the template's own reason
+    state, recorded, exit_code = END_OF[end]
+    if exit_code is None:
+        end_run(accelerator, status=status, tracker=tracker, preemption=watcher, stopping=stopping, reason=reason)
+    else:
+        with pytest.raises(SystemExit) as exited:
+            end_run(accelerator, status=status, tracker=tracker, preemption=watcher, stopping=stopping, reason=reason)
+        assert exited.value.code == exit_code
+    record = read_status(tmp_path)
+    assert (record["state"], record["reason"], record["step"]) == (state, recorded, 7)
+    printed = capsys.readouterr()
+    line = f"stopped at step 7 by {recorded}; checkpoint saved, continue with --resume auto" if stopping else ""
+    assert (printed.err if exit_code else printed.out).strip() == line  # requeued: on stderr, shown by the launcher

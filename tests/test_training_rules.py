@@ -244,9 +244,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(case, tmp_p
 
 @pytest.mark.parametrize("template", sorted(CASES))
 def test_no_autograd_graph_survives_the_step(case, tmp_path, monkeypatch, fresh_accelerate):
-    """`state.interval_loss_sum += loss` would keep every micro-batch's autograd graph (and its activations)
-    alive until the next log; the templates add the loss detached. Checked on the training state after
-    every optimizer step: nothing in it may hold a graph."""
+    """`interval_loss_sum += loss` would keep every micro-batch's autograd graph (and its activations) alive
+    until the next log; `TrainingState.count_micro_batch` adds the loss detached (the fine-tuning template its
+    step's detached sums). Checked on the training state after every optimizer step: nothing in it may hold a graph."""
     from common.checkpoint import CheckpointManager
 
     held: list[tuple[int, str]] = []
