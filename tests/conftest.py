@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,11 @@ CONFIGS = REPO / "accelerate_configs"
 # No curves.png at the end of the suite's hundreds of runs (about half a second each); the tests of the picture
 # set CURVES_PNG=1 (tests/test_tracking.py, the image template's documented outputs and its stop and resume).
 os.environ["CURVES_PNG"] = "0"
+# The Ctrl-C tests send SIGINT as a terminal does. A suite started in the background by a shell without job control
+# (`cmd &` in a script, nohup) inherits SIGINT ignored, and so would every process it starts: handled here, it is
+# back to its default in them (exec resets handled signals, not ignored ones).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
