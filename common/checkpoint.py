@@ -379,7 +379,8 @@ class CheckpointManager:
     def _write(self, name: str, meta: dict, snapshot: Snapshot | None, group) -> Path:
         """Write the whole state under a `.tmp-` name on every rank, then publish it as `name`.
 
-        Three phases: `_start_folder`, `_write_state` and `_publish`. Each ends with every rank learning
+        Three named phases, public so that the tests and tests/fault_inject.py hook them (a kill, a full disk, a
+        slow write at each): `start_folder`, `write_state` and `publish`. Each ends with every rank learning
         whether any rank failed (a full disk, say), so a failure on one rank ends the save on all of them
         at once instead of at --timeout_s.
         """
@@ -393,9 +394,9 @@ class CheckpointManager:
             dist.broadcast_object_list(twin, src=0, group=group)
         twin = twin[0]
         main = self.accelerator.is_main_process
-        phases = ((main, self._start_folder, (tmp, twin)),
-                  (twin is None, self._write_state, (tmp, snapshot, group)),  # a twin's files are linked instead
-                  (main, self._publish, (tmp, final, meta, twin)))
+        phases = ((main, self.start_folder, (tmp, twin)),
+                  (twin is None, self.write_state, (tmp, snapshot, group)),  # a twin's files are linked instead
+                  (main, self.publish, (tmp, final, meta, twin)))
         for runs_here, phase, args in phases:
             failure = None
             try:
@@ -414,7 +415,7 @@ class CheckpointManager:
                                 f"and the incomplete {tmp.name} is ignored on resume")
         return final
 
-    def _start_folder(self, tmp: Path, twin: Path | None) -> None:
+    def start_folder(self, tmp: Path, twin: Path | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".tmp-*"):
             shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
@@ -422,7 +423,7 @@ class CheckpointManager:
             # Same step already saved under the other kind: same bytes, so link instead of rewriting.
             shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
 
-    def _write_state(self, folder: Path, snapshot: Snapshot | None, group) -> None:
+    def write_state(self, folder: Path, snapshot: Snapshot | None, group) -> None:
         """Every rank writes its part (model and optimizer shards, its RNG state): accelerate's save_state at the
         step, or the files of a snapshot it took (the same files)."""
         if snapshot is None:
@@ -430,7 +431,7 @@ class CheckpointManager:
         else:
             snapshot.write(folder, group)
 
-    def _publish(self, tmp: Path, final: Path, meta: dict, twin: Path | None) -> None:
+    def publish(self, tmp: Path, final: Path, meta: dict, twin: Path | None) -> None:
         """`progress.json` last, everything synced, then one rename: a folder with a final name is complete."""
         _write_json(tmp / PROGRESS_FILE, meta)
         # Linked files are the twin's, already synced when it was saved; their folders are new.

@@ -165,7 +165,7 @@ def clip_grad_norm_(self, parameters, *args, **kwargs):
 Accelerator.clip_grad_norm_ = clip_grad_norm_
 
 # --- checkpoint saves: the write phase where each rank writes its part of the state (at the step or in the background)
-real_write_state = template.CheckpointManager._write_state
+real_write_state = template.CheckpointManager.write_state
 
 
 def save_step(output_dir) -> int:
@@ -197,10 +197,10 @@ def write_state(self, output_dir, *args, **kwargs):
     return real_write_state(self, output_dir, *args, **kwargs)
 
 
-template.CheckpointManager._write_state = write_state
+template.CheckpointManager.write_state = write_state
 
 # --- what each published checkpoint held right after its save (the publish phase)
-real_publish = template.CheckpointManager._publish
+real_publish = template.CheckpointManager.publish
 saves: dict[str, dict] = {}
 
 
@@ -212,7 +212,7 @@ def publish(self, tmp, final, *args, **kwargs):
         write_json(RECORD / "saves.json", saves)
 
 
-template.CheckpointManager._publish = publish
+template.CheckpointManager.publish = publish
 
 # --- the export: the template's own function (export_weights, imported into it, or the fine-tuning export_model)
 for export_name in ("export_weights", "export_model"):

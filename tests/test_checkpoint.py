@@ -627,7 +627,7 @@ class KillAt:
                 return real(*args, **kwargs)
             return wrapper
 
-        real_write_state, real_rmtree = manager._write_state, shutil.rmtree
+        real_write_state, real_rmtree = manager.write_state, shutil.rmtree
 
         def write_state(output_dir, *args, **kwargs):  # the write phase: save_state, or a snapshot's files
             if point("before save_state"):
@@ -649,7 +649,7 @@ class KillAt:
                 raise Kill("in rmtree")
             return real_rmtree(path, *args, **kwargs)
 
-        monkeypatch.setattr(manager, "_write_state", write_state)
+        monkeypatch.setattr(manager, "write_state", write_state)
         monkeypatch.setattr(shutil, "rmtree", rmtree)
         monkeypatch.setattr(os, "replace", before(os.replace, "os.replace"))
         monkeypatch.setattr(Path, "unlink", before(Path.unlink, "unlink"))
@@ -776,7 +776,7 @@ class Gate:
 
     def __init__(self, monkeypatch, manager):
         self.event, self.log = threading.Event(), []
-        real_snapshot, real_write_state = checkpoint_module.snapshot_state, manager._write_state
+        real_snapshot, real_write_state = checkpoint_module.snapshot_state, manager.write_state
 
         def snapshot(accelerator, folder, *args):
             self.log.append(f"copy {folder.name}")
@@ -788,7 +788,7 @@ class Gate:
             return real_write_state(folder, *args)
 
         monkeypatch.setattr(checkpoint_module, "snapshot_state", snapshot)
-        monkeypatch.setattr(manager, "_write_state", write_state)
+        monkeypatch.setattr(manager, "write_state", write_state)
 
     def open(self):
         self.event.set()
@@ -850,7 +850,7 @@ def test_a_failed_background_write_ends_the_run_at_the_next_step(tmp_path, fresh
     job.ckpt.resume("none")
     job.ckpt.save(TrainingState(step=1), wait=True)
     before = snapshot(job.ckpt.dir)
-    monkeypatch.setattr(job.ckpt, "_write_state", crash)
+    monkeypatch.setattr(job.ckpt, "write_state", crash)
     watcher = PreemptionWatcher(job.accelerator, signals=())
     state = TrainingState(step=2)
     job.ckpt.save(state)
