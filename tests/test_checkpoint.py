@@ -926,7 +926,7 @@ def test_two_ranks_background_saves_write_what_save_state_writes_and_resume_exac
     script = tmp_path / "two_ranks_background.py"
     script.write_text(TWO_RANK_BACKGROUND_SCRIPT.format(repo=str(REPO)))
     output = tmp_path / "run"
-    result = launch(config, script, str(output), timeout=120)
+    result = launch(config, script, str(output), num_processes=2, timeout=120)  # fsdp.yaml says 8 (GPUs)
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads((output / "result.json").read_text())
     assert outcome == {"restored_step_2": True, "still_background": True,
