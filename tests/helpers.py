@@ -59,31 +59,33 @@ def random_text(path: Path, size: int, seed: int) -> Path:
     return path
 
 
-def wandb_history_steps(output_dir: Path) -> list[int]:
-    """The steps of the history rows in the W&B offline run files under `output_dir/wandb`, in file order.
 
-    wandb 0.31 has no Python reader for its `.wandb` files: they are LevelDB logs (a 7-byte file header,
-    32 KiB blocks, each record in chunks with a 7-byte header: crc32c, length, type FULL/FIRST/MIDDLE/LAST)
-    of `wandb_internal_pb2.Record` messages."""
+def wandb_records(run_dir: Path) -> list:
+    """The records of W&B's offline run files under `run_dir/wandb`, in order. wandb 0.31 has no Python reader
+    for its `.wandb` files: they are LevelDB-style logs (a 7-byte file header; 32 KiB blocks; each record in
+    pieces with a 7-byte header: crc32c, length, type FULL/FIRST/MIDDLE/LAST) of `wandb_internal_pb2.Record`."""
+    import struct
+
     from wandb.proto import wandb_internal_pb2
 
-    block, steps = 32768, []
-    for path in sorted(output_dir.glob("wandb/*run-*/run-*.wandb")):
-        data, position, pending = path.read_bytes(), 7, b""
-        while position + 7 <= len(data):
-            if block - position % block < 7:  # a block's tail too short for a header is padding
-                position += block - position % block
+    records = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, pending = path.read_bytes(), 7, b""  # 7: the file header (":W&B", magic, version)
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # block trailer
+                pos += 32768 - pos % 32768
                 continue
-            length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
-            chunk = data[position + 7:position + 7 + length]
-            position += 7 + length
-            if kind in (2, 3):  # FIRST, MIDDLE: more follows
-                pending = (pending if kind == 3 else b"") + chunk
-                continue
-            payload, pending = (pending + chunk if kind == 4 else chunk), b""
-            if kind in (1, 4):
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a full record, or the last piece of one
                 record = wandb_internal_pb2.Record()
-                record.ParseFromString(payload)
-                if record.WhichOneof("record_type") == "history":
-                    steps.append(record.history.step.num)
-    return steps
+                record.ParseFromString(pending)
+                records.append(record)
+                pending = b""
+    return records
+
+
+def wandb_history_steps(run_dir: Path) -> list[int]:
+    """The steps of the history rows in the W&B offline run files under `run_dir/wandb`, in file order."""
+    return [record.history.step.num for record in wandb_records(run_dir)
+            if record.WhichOneof("record_type") == "history"]

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import yaml
 from conftest import CONFIGS, REPO, clean_env, free_port
-from helpers import read_metrics
+from helpers import read_metrics, wandb_records
 
 from common.config import parse_config
 from search.sweep import build_command, load_sweep
@@ -246,29 +246,6 @@ AGENT_CASES = {
                            long={"max_steps": 60, "eval_every_steps": 10}, shape=("n_layer", "n_embd", "n_head")),
 }
 SWEEP_ID = "swp0test"
-
-
-def wandb_records(run_dir: Path) -> list:
-    """The records of W&B's offline run files (`.wandb`: a LevelDB-style log of protobuf records)."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    records = []
-    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        data, pos, pending = path.read_bytes(), 7, b""  # 7: the file header (":W&B", magic, version)
-        while pos + 7 <= len(data):
-            if 32768 - pos % 32768 < 7:  # block trailer
-                pos += 32768 - pos % 32768
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
-            if kind in (1, 4):  # a full record, or the last piece of one
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(pending)
-                records.append(record)
-                pending = b""
-    return records
 
 
 def record_kinds(run_dir: Path) -> list[str]:
