@@ -362,24 +362,37 @@ def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
     assert child.wait(timeout=120) == 0 and stderr == "", stderr
 
 
+CTRL_C_LINE = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
+
+
+def interrupt_like_ctrl_c(cmd: list[str], ready) -> tuple[int, str]:
+    """Start `cmd` in a process group of its own (a terminal's foreground group), wait until `ready(child)` says
+    it is time, send SIGINT to the whole group as a terminal's Ctrl-C does; the exit code and stderr."""
+    child = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        ready(child)
+        os.killpg(child.pid, signal.SIGINT)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    return child.returncode, stderr
+
+
 @pytest.mark.parametrize("program", ["image", "lm"])
 def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
     longer = ["--epochs", "1000"] if program == "image" else ["--max_steps", "100000"]
-    child = subprocess.Popen(command(program, [*tiny(program, data), *longer, "--output_dir", str(tmp_path / "run")]),
-                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
+
+    def in_the_loop(child):
         for line in child.stdout:  # printed just before the training loop starts
             if "optimizer steps" in line:
                 break
         time.sleep(1)
-        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the terminal's whole foreground group
-        _, stderr = child.communicate(timeout=120)
-    finally:
-        child.kill()
-    assert child.returncode == 130, stderr[-3000:]
-    message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
-    assert error_lines(stderr) == [message], stderr[-3000:]
+
+    code, stderr = interrupt_like_ctrl_c(
+        command(program, [*tiny(program, data), *longer, "--output_dir", str(tmp_path / "run")]), in_the_loop)
+    assert code == 130, stderr[-3000:]
+    assert error_lines(stderr) == [CTRL_C_LINE], stderr[-3000:]
 
 
 def test_ctrl_c_under_accelerate_launch_keeps_the_wandb_history_and_ends_with_the_one_line(tmp_path):
@@ -389,12 +402,10 @@ def test_ctrl_c_under_accelerate_launch_keeps_the_wandb_history_and_ends_with_th
     out = tmp_path / "run"
     args = ["--epochs", "1000", "--width", "8", "--depth", "1", "--num_workers", "0", "--log_every_steps", "1",
             "--tracker", "wandb", "--output_dir", str(out)]
-    child = subprocess.Popen([shutil.which("accelerate", path=os.path.dirname(sys.executable)), "launch",
-                              "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"), str(IMAGE), *args],
-                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        logged: set[int] = set()
+    logged: set[int] = set()
+
+    def ten_steps_logged(child):
+        nonlocal logged
         deadline = time.monotonic() + 120
         while len(logged) < 10 and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.2)
@@ -402,13 +413,12 @@ def test_ctrl_c_under_accelerate_launch_keeps_the_wandb_history_and_ends_with_th
                 logged = {json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()}
         assert len(logged) >= 10, "the run logged nothing"
         time.sleep(4)  # the steps in `logged` are now more than a flush interval old
-        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the terminal's whole foreground group
-        _, stderr = child.communicate(timeout=120)
-    finally:
-        child.kill()
-    assert child.returncode == 130, stderr[-3000:]
-    message = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
-    assert error_lines(stderr) == [message], stderr[-3000:]
+
+    code, stderr = interrupt_like_ctrl_c(
+        [shutil.which("accelerate", path=os.path.dirname(sys.executable)), "launch",
+         "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"), str(IMAGE), *args], ten_steps_logged)
+    assert code == 130, stderr[-3000:]
+    assert error_lines(stderr) == [CTRL_C_LINE], stderr[-3000:]
     steps = wandb_history_steps(out)
     assert logged <= set(steps), (sorted(logged - set(steps))[:5], len(steps))
     assert steps == sorted(set(steps))  # no step twice
