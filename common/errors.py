@@ -8,9 +8,11 @@ import functools
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +25,8 @@ EXIT_SAVE_FAILED = 4  # a checkpoint or the export could not be written (e.g. di
 EXIT_RANK_LOST = 5  # another rank died or did not answer within --timeout_s; the last complete checkpoint is kept
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue and resume (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it; the checkpoints saved before are intact
+# How long a rank that does not print the error line waits before it exits (see _leave_the_line_to_local_rank_0).
+SILENT_RANK_GRACE_S = 15.0
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -112,11 +116,25 @@ def _release_process_group(release: Callable[[], None] | None, error: BaseExcept
 
 
 def _report(message: str, code: int, every_rank: bool = False) -> None:
+    run_started = _failure_hook is not None
     _record_failure(code, message)
     _close_progress_bars()  # so the message starts on its own line, not after a half-drawn bar
     if every_rank or is_first_local_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
+    elif not run_started:
+        _leave_the_line_to_local_rank_0()
     sys.exit(code)
+
+
+def _leave_the_line_to_local_rank_0() -> None:
+    """Bad input (an option, the data, a checkpoint that does not fit) is met by every rank before the run starts,
+    and only local rank 0 prints its line, which is then all the user gets. A launcher ends the whole job the
+    moment one rank exits with an error: had this rank exited first, local rank 0, a moment behind on a busy
+    machine, would get the launcher's SIGTERM before its line is out. So this silent rank waits; the launcher ends
+    the wait once rank 0 has exited with its line. (After the start, status.json holds the error in any case.)"""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's preemption handler must not hold that SIGTERM off
+    time.sleep(SILENT_RANK_GRACE_S)
 
 
 def _out_of_memory(error: BaseException) -> str | None:

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import typing
 from concurrent.futures import ThreadPoolExecutor
@@ -477,3 +478,29 @@ def test_non_finite_gradients_before_any_checkpoint_say_there_is_none(program, d
     assert re.fullmatch(r"error: non-finite gradients at step \d+ \(loss \S+\); no checkpoint was saved yet",
                         error_lines(result.stderr)[-1]), result.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+SLOW_RANK_0_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from common.errors import UsageError, with_exit_codes
+
+    @with_exit_codes
+    def main():
+        if os.environ["LOCAL_RANK"] == "0":
+            time.sleep(3)  # rank 0 a moment behind, as on a busy machine: rank 1 meets the error first
+        raise UsageError("--epochs: expected an integer, got 'abc'")
+
+    main()
+""")
+
+
+def test_the_one_line_is_printed_when_the_silent_rank_meets_the_error_first(tmp_path):
+    """Every rank raises the same error and only local rank 0 prints it: had the silent rank exited first, the
+    launcher's SIGTERM would end rank 0 before its line is out, and the user would read no `error:` line."""
+    script = tmp_path / "slow_rank_0.py"
+    script.write_text(SLOW_RANK_0_SCRIPT.format(repo=str(REPO)))
+    two = launch("cpu_ddp.yaml", script, launcher_args=("-q",), timeout=120)
+    lines = error_lines(two.stderr)
+    assert two.returncode == 1 and lines[0] == "error: --epochs: expected an integer, got 'abc'", two.stderr
+    assert sum(line.startswith("error:") for line in lines) == 1, two.stderr

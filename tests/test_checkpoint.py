@@ -867,7 +867,7 @@ TWO_RANK_BACKGROUND_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
     sys.path.insert(0, {repo!r})
-    from common.accelerator import build_accelerator
+    from common.accelerator import build_accelerator, release_process_group
     from common.checkpoint import CheckpointManager, TrainingState
 
     class Block(torch.nn.Module):  # the class fsdp.yaml wraps
@@ -878,42 +878,46 @@ TWO_RANK_BACKGROUND_SCRIPT = textwrap.dedent("""
         def forward(self, x):
             return torch.relu(self.linear(x))
 
-    output = sys.argv[1]
-    accelerator = build_accelerator(seed=0)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    def main():  # as a template's: what refers to the process group is gone when main() returns
+        output = sys.argv[1]
+        accelerator = build_accelerator(seed=0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    def train(steps):
-        for _ in range(steps):
-            loss = model(torch.randn(4, 16)).pow(2).mean()
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+        def train(steps):
+            for _ in range(steps):
+                loss = model(torch.randn(4, 16)).pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
 
-    def manager(folder, background):
-        return CheckpointManager(accelerator, f"{{output}}/{{folder}}", template="tiny", config={{}}, metric="m",
-                                 background=background)
+        def manager(folder, background):
+            return CheckpointManager(accelerator, f"{{output}}/{{folder}}", template="tiny", config={{}}, metric="m",
+                                     background=background)
 
-    background, at_the_step = manager("background", True), manager("at_the_step", False)
-    background.resume("none"), at_the_step.resume("none")
-    train(2)
-    weights = {{k: v.clone() for k, v in accelerator.get_state_dict(model).items()}}
-    background.save(TrainingState(step=2))
-    at_the_step.save(TrainingState(step=2))  # the same state: nothing trained or drawn in between
-    train(2)  # while the background save is written
-    background.wait()
-    again = manager("background", True)
-    again.resume("auto")
-    restored = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        same = sorted(weights) == sorted(restored) and all(torch.equal(weights[k], restored[k]) for k in weights)
-        with open(f"{{output}}/result.json", "w") as handle:
-            json.dump({{"restored_step_2": same, "still_background": background.background,
-                       "kind": accelerator.distributed_type.value}}, handle)
+        background, at_the_step = manager("background", True), manager("at_the_step", False)
+        background.resume("none"), at_the_step.resume("none")
+        train(2)
+        weights = {{k: v.clone() for k, v in accelerator.get_state_dict(model).items()}}
+        background.save(TrainingState(step=2))
+        at_the_step.save(TrainingState(step=2))  # the same state: nothing trained or drawn in between
+        train(2)  # while the background save is written
+        background.wait()
+        again = manager("background", True)
+        again.resume("auto")
+        restored = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            same = sorted(weights) == sorted(restored) and all(torch.equal(weights[k], restored[k]) for k in weights)
+            with open(f"{{output}}/result.json", "w") as handle:
+                json.dump({{"restored_step_2": same, "still_background": background.background,
+                           "kind": accelerator.distributed_type.value}}, handle)
+
+    main()
+    release_process_group()  # what the templates' with_exit_codes does: gloo's threads end before shutdown
 """)
 
 
