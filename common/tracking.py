@@ -8,6 +8,7 @@ module's functions on a machine without them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -179,6 +180,8 @@ class Tracker:
                 logging.getLogger(noisy).setLevel(logging.WARNING)
         run_id_file = self.output_dir / "mlflow_run_id"
         run_id = run_id_file.read_text().strip() if run_id_file.is_file() else None  # a restart: the same run
+        if run_id is not None and local:
+            drop_mlflow_steps_after(self.output_dir / MLFLOW_DB, run_id, resume_step)
         tracker = self._on_this_process(MLflowTracker(
             experiment_name=project, logging_dir=str(self.output_dir.resolve() / "mlartifacts") if local else None,
             run_id=run_id, run_name=self.output_dir.name))
@@ -336,6 +339,20 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def drop_mlflow_steps_after(database: Path, run_id: str, step: int) -> None:
+    """Remove from a local MLflow store the values run `run_id` logged after `step` (what a session logged past
+    the checkpoint the run resumes from), as metrics.jsonl and TensorBoard's purge do: the resumed session logs
+    those steps again, and MLflow's reader would show each of them twice. MLflow has no call that removes logged
+    values, so this edits its SQLite tables (`metrics`, `latest_metrics`: their layout since MLflow 1.x)."""
+    import sqlite3
+
+    if not database.is_file():
+        return
+    with contextlib.closing(sqlite3.connect(database)) as connection, connection:
+        for table in ("metrics", "latest_metrics"):
+            connection.execute(f"DELETE FROM {table} WHERE run_uuid = ? AND step > ?", (run_id, step))
 
 
 def scalar_config(config: dict) -> dict:
