@@ -181,7 +181,8 @@ class Tracker:
         run_id_file = self.output_dir / "mlflow_run_id"
         run_id = run_id_file.read_text().strip() if run_id_file.is_file() else None  # a restart: the same run
         if run_id is not None and local:
-            drop_mlflow_steps_after(self.output_dir / MLFLOW_DB, run_id, resume_step)
+            for table in ("metrics", "latest_metrics"):
+                drop_steps_after(self.output_dir / MLFLOW_DB, table, "run_uuid", run_id, resume_step)
         tracker = self._on_this_process(MLflowTracker(
             experiment_name=project, logging_dir=str(self.output_dir.resolve() / "mlartifacts") if local else None,
             run_id=run_id, run_name=self.output_dir.name))
@@ -193,7 +194,8 @@ class Tracker:
 
     def _start_trackio(self, project: str, config: dict, resume_step: int):
         # trackio reads TRACKIO_DIR when imported: its SQLite store goes in the output folder unless one is set
-        os.environ.setdefault("TRACKIO_DIR", str(self.output_dir.resolve() / "trackio"))
+        local = self.output_dir.resolve() / "trackio"
+        os.environ.setdefault("TRACKIO_DIR", str(local))
         from accelerate.tracking import TrackioTracker
 
         name_file = self.output_dir / "trackio_run_name"
@@ -201,6 +203,9 @@ class Tracker:
         name = (name_file.read_text().strip() if name_file.is_file()
                 else f"{self.output_dir.name}-{uuid.uuid4().hex[:8]}")
         name_file.write_text(name + "\n")
+        if Path(os.environ["TRACKIO_DIR"]) == local:
+            for database in local.glob("*.db"):  # one a project
+                drop_steps_after(database, "metrics", "run_name", name, resume_step)
         tracker = self._on_this_process(TrackioTracker(project, name=name, resume="allow", config=config))
         tracker.start()
         return tracker
@@ -341,18 +346,23 @@ class Tracker:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
 
 
-def drop_mlflow_steps_after(database: Path, run_id: str, step: int) -> None:
-    """Remove from a local MLflow store the values run `run_id` logged after `step` (what a session logged past
-    the checkpoint the run resumes from), as metrics.jsonl and TensorBoard's purge do: the resumed session logs
-    those steps again, and MLflow's reader would show each of them twice. MLflow has no call that removes logged
-    values, so this edits its SQLite tables (`metrics`, `latest_metrics`: their layout since MLflow 1.x)."""
+def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:
+    """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step` (what a session
+    logged past the checkpoint the run resumes from), as metrics.jsonl and TensorBoard's purge do: the resumed
+    session logs those steps again, and the tracker's reader would show each of them twice. Neither has a call
+    that removes logged values, so this edits their tables (MLflow's `metrics` and `latest_metrics`, keyed by
+    `run_uuid`, since MLflow 1.x; trackio's `metrics`, by `run_name`). A store without that table or column is
+    left as it is."""
     import sqlite3
 
     if not database.is_file():
         return
-    with contextlib.closing(sqlite3.connect(database)) as connection, connection:
-        for table in ("metrics", "latest_metrics"):
-            connection.execute(f"DELETE FROM {table} WHERE run_uuid = ? AND step > ?", (run_id, step))
+    try:
+        with contextlib.closing(sqlite3.connect(database)) as connection, connection:
+            connection.execute(f"DELETE FROM {table} WHERE {run_column} = ? AND step > ?", (run, step))
+    except sqlite3.OperationalError as error:
+        print(f"warning: steps after {step} not removed from {database} ({error}): a reader may show them twice",
+              file=sys.stderr, flush=True)
 
 
 def scalar_config(config: dict) -> dict:
