@@ -317,6 +317,12 @@ class Tracker:
                     import mlflow
 
                     mlflow.end_run(status="KILLED")  # accelerate's finish would record a finished run
+                elif tracker.name == "trackio":
+                    import trackio
+
+                    # also forgets the current run, which trackio's exit hook would finish again, with a second
+                    # "Run finished" line after the run's own last line
+                    trackio.finish()
                 else:
                     tracker.finish()
             except Exception as error:
