@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # only a type here: importing accelerate loads torch, which t
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # text the model wrote at each evaluation (the fine-tuning template)
 CURVES_FILE = "curves.png"
+_mlflow_uri_set_here: str | None = None  # the MLflow store a Tracker of this process chose, not the user
 MLFLOW_DB = "mlflow.db"  # the local MLflow store in the output folder, unless MLFLOW_TRACKING_URI is set
 
 
@@ -173,9 +174,12 @@ class Tracker:
         import mlflow
         from accelerate.tracking import MLflowTracker
 
-        local = not os.environ.get("MLFLOW_TRACKING_URI")
+        global _mlflow_uri_set_here
+        # set_tracking_uri exports MLFLOW_TRACKING_URI: a value this process set is not the user's choice of a store
+        local = os.environ.get("MLFLOW_TRACKING_URI") in (None, "", _mlflow_uri_set_here)
         if local:  # a local store in the output folder: `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`
-            mlflow.set_tracking_uri(f"sqlite:///{self.output_dir.resolve() / MLFLOW_DB}")
+            _mlflow_uri_set_here = f"sqlite:///{self.output_dir.resolve() / MLFLOW_DB}"
+            mlflow.set_tracking_uri(_mlflow_uri_set_here)
             for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
                 logging.getLogger(noisy).setLevel(logging.WARNING)
         run_id_file = self.output_dir / "mlflow_run_id"
