@@ -121,3 +121,29 @@ def test_every_tracker_holds_each_step_once_on_one_process_then_two_ranks_resume
     assert [step for step, _ in logged(output)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert_every_tracker_holds_metrics_jsonl(output, sessions=2)  # the main process alone wrote: one file more
     assert re.fullmatch(r"[0-9a-f]{32}\n", (output / "mlflow_run_id").read_text())
+
+
+def test_the_trackers_are_accelerates_own_and_the_accelerator_finds_them_until_they_end(
+    tmp_path, fresh_accelerate, monkeypatch
+):
+    from accelerate.tracking import TensorBoardTracker, WandBTracker
+    from test_tracking import FakeWandb
+
+    from common.accelerator import build_accelerator
+    from common.tracking import Tracker
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    accelerator = build_accelerator(seed=0)
+    tracker = Tracker(accelerator, tmp_path, kind="wandb,tensorboard", project="p", config={"sizes": [1, 2]})
+    run = tracker.run
+    assert isinstance(accelerator.get_tracker("wandb"), WandBTracker) and accelerator.get_tracker("wandb", True) is run
+    assert isinstance(accelerator.get_tracker("tensorboard"), TensorBoardTracker)
+    assert fake.inits[0]["config"] == {"sizes": [1, 2]} and fake.inits[0]["dir"] == str(tmp_path)
+    tracker.log({"loss": 0.5, "note": "x"}, step=3)
+    tracker.finish()
+    assert run.finished and run.logged == [(3, {"loss": 0.5, "note": "x"})]
+    assert tensorboard_scalars(tmp_path) == {"loss": [(3, 0.5)]}  # numbers only: text is W&B's and metrics.jsonl's
+    assert accelerator.trackers == []  # ended once: accelerator.end_training() does not end them again
+    accelerator.end_training()
