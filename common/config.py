@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -48,7 +49,13 @@ class ConfigError(UsageError):
     """A command-line option or config-file entry is wrong; the message is one line naming it."""
 
 
-TRACKERS = ("wandb", "none")
+# What --tracker takes: one or several of accelerate's trackers (comma-separated), or none. Each needs its package,
+# imported only by a run that chose it; the pip command names what to install where it is missing.
+TRACKERS = ("wandb", "tensorboard", "mlflow", "trackio", "none")
+TRACKER_PACKAGES = {"wandb": (("wandb",), "pip install wandb"),
+                    "tensorboard": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
+                    "mlflow": (("mlflow",), "pip install mlflow"),
+                    "trackio": (("trackio",), "pip install trackio")}
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 
 
@@ -107,7 +114,8 @@ class RunOptions:
     stop_after_steps: int = option(0, "End this session after N optimizer steps with a checkpoint (0: never).",
                                    "[0, inf)", may_change=True)
     log_every_steps: int = option(10, "Log the training loss every N optimizer steps.", "[1, inf)", may_change=True)
-    tracker: str = option("wandb", "wandb (offline without credentials) or none.", TRACKERS, may_change=True)
+    tracker: str = option("wandb", "wandb (offline without credentials), tensorboard, mlflow, trackio, several "
+                          "comma-separated (tensorboard,mlflow), or none.", may_change=True)
     wandb_project: str = option("training-template", "W&B project name.", may_change=True)
     timeout_s: int = option(600, "Seconds a rank waits for the others before the job fails.", "[1, 604800]",
                             may_change=True)
@@ -116,7 +124,35 @@ class RunOptions:
 
     def __post_init__(self):
         check_ranges(self)
+        check_trackers(self.tracker)
         check_wandb_project(self.wandb_project)
+
+
+def tracker_names(value: str) -> list[str]:
+    """The trackers a --tracker value names, in order: `none` is the empty list. Refuses (ValueError) an unknown
+    name, one named twice, or none with others."""
+    names = [name.strip() for name in value.split(",")]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown or len(set(names)) != len(names) or ("none" in names and len(names) > 1):
+        raise ValueError(f"tracker must be one or several (comma-separated) of {', '.join(TRACKERS[:-1])}, or none; "
+                         f"got {value!r}")
+    return [name for name in names if name != "none"]
+
+
+def check_trackers(value: str) -> None:
+    """Refuse (ValueError) --tracker values that name no tracker, or a tracker whose package is not installed:
+    found without importing it (a tracker's package loads only in a run that uses it)."""
+    for name in tracker_names(value):
+        modules, install = TRACKER_PACKAGES[name]
+        found = False
+        for module in modules:
+            try:
+                found = found or importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a module that is half there, or one taken out of sys.modules
+                pass
+        if not found:
+            raise ValueError(f"--tracker {name} needs the {modules[0]} package, which is not installed: {install} "
+                             f"(or choose another --tracker)")
 
 
 def check_wandb_project(project: str) -> None:

@@ -1,5 +1,5 @@
-"""Metrics go to W&B (main process only) and to `<output_dir>/metrics.jsonl`; progress to tqdm; at the end of a
-run, `<output_dir>/curves.png` drawn from metrics.jsonl (where matplotlib is installed).
+"""Metrics go to `<output_dir>/metrics.jsonl` and to the trackers --tracker names (main process only); progress
+to tqdm; at the end of a run, `<output_dir>/curves.png` drawn from metrics.jsonl (where matplotlib is installed).
 
 Nothing here imports torch or accelerate at load time: scripts/plot_runs.py draws the same picture with this
 module's functions on a machine without them.
@@ -8,6 +8,7 @@ module's functions on a machine without them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from common.config import tracker_names
 from common.errors import UsageError, read_status
 
 if TYPE_CHECKING:  # only a type here: importing accelerate loads torch, which the plotting needs not
@@ -30,6 +32,8 @@ if TYPE_CHECKING:  # only a type here: importing accelerate loads torch, which t
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # text the model wrote at each evaluation (the fine-tuning template)
 CURVES_FILE = "curves.png"
+_mlflow_uri_set_here: str | None = None  # the MLflow store a Tracker of this process chose, not the user
+MLFLOW_DB = "mlflow.db"  # the local MLflow store in the output folder, unless MLFLOW_TRACKING_URI is set
 
 
 def wandb_has_credentials() -> bool:
@@ -71,6 +75,14 @@ class Tracker:
     `metrics.jsonl` is always written: it is what the local search runner reads while a trial
     runs, and it survives without any account. On resume, lines after the resumed step are
     dropped so the file matches the restored state.
+
+    The trackers `kind` names (`--tracker`: wandb, tensorboard, mlflow, trackio, several comma-separated, or none)
+    are accelerate's own tracker classes (accelerate.tracking), built as `Accelerator.init_trackers` builds them,
+    with the init kwargs that keep each one's run in the output folder and resume it after a restart; they are
+    also handed to the Accelerator, so `accelerator.get_tracker(name)` finds them. They are started, logged to and
+    finished here rather than by `init_trackers` / `accelerator.log` / `end_training`: the run ids and the resumed
+    step are known only after the Accelerator is built, and W&B's end needs the run's exit code and a preemption
+    mark (`finish`), which `end_training` cannot pass.
     """
 
     def __init__(
@@ -87,25 +99,41 @@ class Tracker:
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / METRICS_FILE
         self.samples_path = self.output_dir / SAMPLES_FILE
-        self.run = None
+        self.run = None  # the W&B run, where W&B is on
+        self.trackers: list = []  # accelerate's GeneralTracker objects, started (main process only)
         self.offline = False
         self.started = time.time()
+        self._handed_to: list | None = None  # the Accelerator's own list of trackers, which holds ours too
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         for path in (self.metrics_path, self.samples_path):
             self._truncate_after(path, resume_step)
-        if kind == "wandb":
-            self.run = self._start_wandb(project, config)
+        for name in tracker_names(kind):
+            self.trackers.append(getattr(self, f"_start_{name}")(project, config, resume_step))
+        if self.trackers:
+            atexit.register(self._finish_at_exit)  # runs before the trackers' own exit hooks (last in, first out)
+            if isinstance(getattr(accelerator, "trackers", None), list):
+                self._handed_to = accelerator.trackers
+                self._handed_to.extend(self.trackers)
 
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, resume_step: int = 0) -> Tracker:
-        """The tracker a template's options ask for: their output_dir, tracker and wandb_project; all of them to W&B."""
+        """The tracker a template's options ask for: their output_dir, tracker and wandb_project (the project of every
+        tracker); all of them as the run's configuration."""
         return cls(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project,
                    config=dataclasses.asdict(cfg), resume_step=resume_step)
 
-    def _start_wandb(self, project: str, config: dict):
+    @staticmethod
+    def _on_this_process(tracker):
+        """An accelerate tracker that starts, logs and finishes where it is called: this Tracker is the main
+        process's alone already, and accelerate's own check would build a PartialState where there is none."""
+        tracker.main_process_only = False
+        return tracker
+
+    def _start_wandb(self, project: str, config: dict, resume_step: int):
         import wandb
+        from accelerate.tracking import WandBTracker
 
         # An explicit WANDB_MODE wins; otherwise online only when there are credentials to use.
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_credentials() else "offline")
@@ -118,19 +146,79 @@ class Tracker:
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
         # quiet: no 20-line history and summary at the end (metrics.jsonl and the run page have them), and
-        # one sync hint (ours, below) instead of two. The run's .wandb file is flushed every second (W&B's
+        # one sync hint (ours, in finish) instead of two. The run's .wandb file is flushed every second (W&B's
         # default is 15 s): `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every process the
         # run started, W&B's service too, which then writes nothing more, so at most the last second is lost.
-        run = wandb.init(project=project, config=config, dir=str(self.output_dir), mode=mode,
-                         settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs)
-        atexit.register(self._finish_at_exit)  # runs before W&B's own exit hook (atexit runs the last one first)
-        return run
+        # The configuration goes with wandb.init (accelerate's store_init_configuration would update it after).
+        tracker = self._on_this_process(WandBTracker(
+            project, config=config, dir=str(self.output_dir), mode=mode,
+            settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs))
+        tracker.start()
+        self.run = tracker.run
+        return tracker
+
+    def _start_tensorboard(self, project: str, config: dict, resume_step: int):
+        from accelerate.tracking import TensorBoardTracker
+
+        # Event files in <output_dir>/tensorboard. A resumed run writes to the same folder; its first event purges
+        # every event after the resumed step (what a stopped session logged past its last checkpoint), so readers
+        # (TensorBoard, its EventAccumulator) see each step once, like metrics.jsonl.
+        tracker = self._on_this_process(TensorBoardTracker("tensorboard", str(self.output_dir),
+                                                           purge_step=resume_step + 1))
+        tracker.start()
+        if resume_step == 0:
+            tracker.store_init_configuration(scalar_config(config))
+        return tracker
+
+    def _start_mlflow(self, project: str, config: dict, resume_step: int):
+        import mlflow
+        from accelerate.tracking import MLflowTracker
+
+        global _mlflow_uri_set_here
+        # set_tracking_uri exports MLFLOW_TRACKING_URI: a value this process set is not the user's choice of a store
+        local = os.environ.get("MLFLOW_TRACKING_URI") in (None, "", _mlflow_uri_set_here)
+        if local:  # a local store in the output folder: `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`
+            _mlflow_uri_set_here = f"sqlite:///{self.output_dir.resolve() / MLFLOW_DB}"
+            mlflow.set_tracking_uri(_mlflow_uri_set_here)
+            for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
+                logging.getLogger(noisy).setLevel(logging.WARNING)
+        run_id_file = self.output_dir / "mlflow_run_id"
+        run_id = run_id_file.read_text().strip() if run_id_file.is_file() else None  # a restart: the same run
+        if run_id is not None and local:
+            for table in ("metrics", "latest_metrics"):
+                drop_steps_after(self.output_dir / MLFLOW_DB, table, "run_uuid", run_id, resume_step)
+        tracker = self._on_this_process(MLflowTracker(
+            experiment_name=project, logging_dir=str(self.output_dir.resolve() / "mlartifacts") if local else None,
+            run_id=run_id, run_name=self.output_dir.name))
+        tracker.start()
+        run_id_file.write_text(tracker.active_run.info.run_id + "\n")
+        if run_id is None:  # MLflow refuses a parameter logged again with another value (an option a resume changed)
+            tracker.store_init_configuration(scalar_config(config))
+        return tracker
+
+    def _start_trackio(self, project: str, config: dict, resume_step: int):
+        # trackio reads TRACKIO_DIR when imported: its SQLite store goes in the output folder unless one is set
+        local = self.output_dir.resolve() / "trackio"
+        os.environ.setdefault("TRACKIO_DIR", str(local))
+        from accelerate.tracking import TrackioTracker
+
+        name_file = self.output_dir / "trackio_run_name"
+        # a name of its own (the store may be shared through TRACKIO_DIR), kept for the restarts, which resume it
+        name = (name_file.read_text().strip() if name_file.is_file()
+                else f"{self.output_dir.name}-{uuid.uuid4().hex[:8]}")
+        name_file.write_text(name + "\n")
+        if Path(os.environ["TRACKIO_DIR"]) == local:
+            for database in local.glob("*.db"):  # one a project
+                drop_steps_after(database, "metrics", "run_name", name, resume_step)
+        tracker = self._on_this_process(TrackioTracker(project, name=name, resume="allow", config=config))
+        tracker.start()
+        return tracker
 
     def _finish_at_exit(self) -> None:
-        """A run that ended in an error or Ctrl-C: end the W&B run as failed with the run's exit code (status.json
-        has it), quietly, so that the run's own `error:` line stays the last one on stderr (W&B's exit hook would
-        add a traceback if its service is gone)."""
-        if self.run is not None:
+        """A run that ended in an error or Ctrl-C: end the trackers' runs as failed with the run's exit code
+        (status.json has it), quietly, so that the run's own `error:` line stays the last one on stderr (W&B's exit
+        hook would add a traceback if its service is gone)."""
+        if self.trackers:
             status = read_status(self.output_dir) or {}
             # W&B's client writes to its service through asyncio, which logs each failed write to a service that
             # is gone ("socket.send() raised exception."): nothing is logged after this, so those are silenced.
@@ -160,8 +248,10 @@ class Tracker:
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+        # numbers to every tracker; W&B takes the rest too (tensorboard would keep text as text, mlflow drops it)
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(metrics if tracker.name == "wandb" else numbers, step=step)
 
     def log_samples(self, rows: list[dict[str, str]], step: int) -> None:
         """Text a model wrote (one dict a sample, the same keys in each): `samples.jsonl` (main process), and a
@@ -207,18 +297,45 @@ class Tracker:
             quiet.setLevel(level)
 
     def finish(self, requeue: bool = False, exit_code: int = 0, quiet: bool = False) -> None:
-        """Draw curves.png (main process), end the W&B run. `requeue`: a preempted sweep run; W&B gives it to an
-        agent again, same id.
+        """Draw curves.png (main process), end each tracker's run. `requeue`: a preempted sweep run; W&B gives it to
+        an agent again, same id.
 
         W&B requeues a run that is marked preempting and ends with a non-zero exit code; one that
         ends with 0 is finished. The code is passed here because W&B would otherwise record 0.
         `quiet`: the run is ending with an error line of its own: no picture, no warning if W&B's service is gone.
+        The trackers leave the Accelerator's list too: `accelerator.end_training()` would end them a second time.
         """
         if self.enabled and not quiet:
             self.draw_curves()
-        if self.run is None:
+        if not self.trackers:
             return
         atexit.unregister(self._finish_at_exit)
+        for tracker in self.trackers:
+            if self._handed_to is not None and tracker in self._handed_to:
+                self._handed_to.remove(tracker)
+            if tracker.name == "wandb":
+                self._finish_wandb(requeue, exit_code, quiet)
+                continue
+            try:
+                if tracker.name == "mlflow" and exit_code:
+                    import mlflow
+
+                    mlflow.end_run(status="KILLED")  # accelerate's finish would record a finished run
+                elif tracker.name == "trackio":
+                    import trackio
+
+                    # also forgets the current run, which trackio's exit hook would finish again, with a second
+                    # "Run finished" line after the run's own last line
+                    trackio.finish()
+                else:
+                    tracker.finish()
+            except Exception as error:
+                if not quiet:
+                    print(f"warning: {tracker.name} could not finish the run ({type(error).__name__}: {error})",
+                          file=sys.stderr, flush=True)
+        self.trackers = []
+
+    def _finish_wandb(self, requeue: bool, exit_code: int, quiet: bool) -> None:
         run_dir = Path(self.run.dir).parent
         try:
             if requeue:
@@ -237,6 +354,31 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:
+    """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step` (what a session
+    logged past the checkpoint the run resumes from), as metrics.jsonl and TensorBoard's purge do: the resumed
+    session logs those steps again, and the tracker's reader would show each of them twice. Neither has a call
+    that removes logged values, so this edits their tables (MLflow's `metrics` and `latest_metrics`, keyed by
+    `run_uuid`, since MLflow 1.x; trackio's `metrics`, by `run_name`). A store without that table or column is
+    left as it is."""
+    import sqlite3
+
+    if not database.is_file():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(database)) as connection, connection:
+            connection.execute(f"DELETE FROM {table} WHERE {run_column} = ? AND step > ?", (run, step))
+    except sqlite3.OperationalError as error:
+        print(f"warning: steps after {step} not removed from {database} ({error}): a reader may show them twice",
+              file=sys.stderr, flush=True)
+
+
+def scalar_config(config: dict) -> dict:
+    """The run's configuration as the values tensorboard's hparams and MLflow's params take: numbers, text and
+    booleans as they are, anything else (lists, None) as its text."""
+    return {key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in config.items()}
 
 
 def say(accelerator: Accelerator, text: str) -> None:

@@ -77,8 +77,9 @@ CASES = {
                                             "num_workers must be at least -1, got -2"),
     "image/image-size-huge": Case("image", ("--data_dir", "{data}/few_images", "--image_size", "100000"),
                                   "image_size must be at most 1024, got 100000"),
-    "image/unknown-tracker": Case("image", ("--tracker", "tensorboard"),
-                                  "tracker must be one of wandb, none, got 'tensorboard'"),
+    "image/unknown-tracker": Case("image", ("--tracker", "tensorboard,bogus"),
+                                  "tracker must be one or several (comma-separated) of wandb, tensorboard, mlflow, "
+                                  "trackio, or none; got 'tensorboard,bogus'"),
     "image/invalid-wandb-project": Case("image", ("--tracker", "wandb", "--wandb_project", "team/project"),
                                        "wandb_project 'team/project': W&B takes 1 to 128 characters, none of"),
     "image/model-too-big-for-memory": Case("image", ("--width", HUGE), "out of memory allocating "),
@@ -152,8 +153,9 @@ CASES = {
     "lm/vocab-size-beyond-uint16": Case("lm", ("--vocab_size", "100000"),
                                         "vocab_size must be at most 65536, got 100000"),
     "lm/num-workers-below-minus-1": Case("lm", ("--num_workers", "-2"), "num_workers must be at least -1, got -2"),
-    "lm/unknown-tracker": Case("lm", ("--tracker", "tensorboard"),
-                               "tracker must be one of wandb, none, got 'tensorboard'"),
+    "lm/unknown-tracker": Case("lm", ("--tracker", "none,wandb"),
+                               "tracker must be one or several (comma-separated) of wandb, tensorboard, mlflow, "
+                               "trackio, or none; got 'none,wandb'"),
     "lm/model-too-big-for-memory": Case("lm", ("--n_embd", HUGE, "--n_head", "1"), "out of memory allocating "),
     "lm/output-dir-not-writable": Case("lm", (), f"--output_dir {NOT_WRITABLE}/run cannot be created: {NOT_WRITABLE} "
                                        "is not writable", output=f"{NOT_WRITABLE}/run"),

@@ -62,7 +62,16 @@ def no_wandb_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture
-def fake_wandb(monkeypatch, no_wandb_env):
+def accelerate_state(fresh_accelerate):
+    """accelerate's process state, single-process on the CPU, as every run has (accelerate's trackers log through
+    it); forgotten after the test."""
+    from accelerate.state import PartialState
+
+    PartialState(cpu=True)
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch, no_wandb_env, accelerate_state):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     return fake
@@ -334,7 +343,7 @@ def test_online_run_prints_no_sync_hint(tmp_path, fake_wandb, monkeypatch, capsy
 # --- W&B for real, offline (one run) ------------------------------------------------------------
 
 def test_real_wandb_without_credentials_runs_offline_and_keeps_the_key_out_of_files(
-    tmp_path, no_wandb_env, monkeypatch, capsys
+    tmp_path, no_wandb_env, accelerate_state, monkeypatch, capsys
 ):
     import wandb
 
@@ -371,7 +380,9 @@ LOST_SERVICE = """
 import signal, sys, time
 import psutil
 from types import SimpleNamespace
+from accelerate.state import PartialState
 from common.tracking import Tracker
+PartialState(cpu=True)  # accelerate's process state, as in a run: accelerate's trackers log through it
 main = SimpleNamespace(is_main_process=True)
 tracker = Tracker(main, sys.argv[1], kind="wandb", project="tests", config={})
 tracker.log({"loss": 0.5}, step=1)

@@ -1,0 +1,149 @@
+"""--tracker through accelerate's trackers: what each one wrote, read back with its own reader (TensorBoard's
+EventAccumulator, MLflow's client on the local store in the output folder), holds every step of metrics.jsonl once,
+on one process and on two ranks (the main process alone writes), also after a resume from a checkpoint older
+than the last step logged; a template with `--tracker tensorboard,mlflow` runs without wandb importable, and a
+missing tracker package is one error line before anything is written.
+
+W&B's own behaviour (offline, resume id, sweeps, Ctrl-C) is tested in test_tracking.py, test_sweeps.py and
+test_bad_input.py. trackio is left out here: no trackio release installs beside pillow 13 (all pin pillow<13).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env, launch
+
+LM = REPO / "templates" / "language_model.py"
+TRACKERS = "tensorboard,mlflow"
+
+
+def tiny_lm(corpus: Path, output: Path, *more: str) -> list[str]:
+    """A few steps of a tiny language model: a log line every step, an evaluation and a checkpoint every 2."""
+    return ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
+            "--max_steps", "4", "--eval_every_steps", "2", "--eval_batches", "1", "--sample_tokens", "0",
+            "--log_every_steps", "1", "--num_workers", "0", "--data_path", str(corpus), "--tracker", TRACKERS,
+            "--output_dir", str(output), *more]
+
+
+def without(packages: tuple[str, ...], script: Path, args: list[str]) -> list[str]:
+    """`python script args` in an interpreter where `import <package>` fails for each of `packages`, as if it
+    were not installed (None in sys.modules: the import raises ImportError, find_spec answers None)."""
+    code = (f"import runpy, sys\nfor name in {list(packages)!r}:\n    sys.modules[name] = None\n"
+            f"sys.argv = [{str(script)!r}, *{args!r}]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return [sys.executable, "-c", code]
+
+
+def run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
+def logged(output: Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as each number's (step, value) pairs in file order: what every tracker must hold."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in (output / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        for key, value in record.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
+                series.setdefault(key, []).append((record["step"], float(value)))
+    return series
+
+
+def tensorboard_scalars(output: Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of `<output>/tensorboard` as TensorBoard reads them (its purges of a resumed run applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(output / "tensorboard"), size_guidance={"scalars": 0})
+    reader.Reload()
+    return {tag: [(event.step, event.value) for event in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+def mlflow_metrics(output: Path) -> dict[str, list[tuple[int, float]]]:
+    """The one MLflow run in the local store of `output` (the run id file names it), each metric's history."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{output / 'mlflow.db'}")
+    runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+    assert [r.info.run_id for r in runs] == [(output / "mlflow_run_id").read_text().strip()]
+    return {key: [(m.step, m.value) for m in sorted(client.get_metric_history(runs[0].info.run_id, key),
+                                                       key=lambda m: (m.timestamp, m.step))]
+            for key in runs[0].data.metrics}
+
+
+def assert_every_tracker_holds_metrics_jsonl(output: Path, sessions: int) -> None:
+    expected = logged(output)
+    assert expected["train/loss"] and expected["val/loss"]
+    for key, pairs in expected.items():
+        steps = [step for step, _ in pairs]
+        assert steps == sorted(set(steps)), (key, steps)  # metrics.jsonl itself: each step once
+    scalars, metrics = tensorboard_scalars(output), mlflow_metrics(output)
+    for name, held in (("tensorboard", scalars), ("mlflow", metrics)):
+        assert set(held) == set(expected), (name, sorted(set(held) ^ set(expected)))
+        for key, pairs in expected.items():
+            assert [step for step, _ in held[key]] == [step for step, _ in pairs], (name, key, held[key])  # once each
+            assert [value for _, value in held[key]] == pytest.approx([value for _, value in pairs], rel=1e-6), key
+    # one event file a session, all from the main process (each process that wrote would add its own)
+    assert len(list((output / "tensorboard").glob("events.out.tfevents.*"))) == sessions
+
+
+def test_a_missing_tracker_package_is_one_error_line_before_anything_is_written(tmp_path, corpus):
+    output = tmp_path / "run"
+    result = run(without(("mlflow",), LM, tiny_lm(corpus, output)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["error: --tracker mlflow needs the mlflow package, which is not installed: pip install mlflow "
+                     "(or choose another --tracker)"], result.stderr[-3000:]
+    assert not output.exists()
+
+
+def test_every_tracker_holds_each_step_once_on_one_process_then_two_ranks_resumed_from_an_older_checkpoint(
+    tmp_path, corpus
+):
+    # One run of each kind keeps the suite short: the first session on one process, a plain `python template.py`
+    # where wandb cannot be imported (nothing may ask for it); the second on two ranks, resumed from the checkpoint
+    # at step 2 although the first logged steps 3 and 4 too, which it logs again (and goes on to step 6).
+    output = tmp_path / "run"
+    first = run(without(("wandb",), LM, tiny_lm(corpus, output)))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert [step for step, _ in logged(output)["train/loss"]] == [1, 2, 3, 4]
+    assert_every_tracker_holds_metrics_jsonl(output, sessions=1)
+
+    resume = ["--resume", str(output / "checkpoints" / "step_00000002"), "--max_steps", "6"]
+    second = launch("cpu_ddp.yaml", LM, *tiny_lm(corpus, output, *resume), num_processes=2)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert [step for step, _ in logged(output)["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert_every_tracker_holds_metrics_jsonl(output, sessions=2)  # the main process alone wrote: one file more
+    assert re.fullmatch(r"[0-9a-f]{32}\n", (output / "mlflow_run_id").read_text())
+
+
+def test_the_trackers_are_accelerates_own_and_the_accelerator_finds_them_until_they_end(
+    tmp_path, fresh_accelerate, monkeypatch
+):
+    from accelerate.tracking import TensorBoardTracker, WandBTracker
+    from test_tracking import FakeWandb
+
+    from common.accelerator import build_accelerator
+    from common.tracking import Tracker
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    accelerator = build_accelerator(seed=0)
+    tracker = Tracker(accelerator, tmp_path, kind="wandb,tensorboard", project="p", config={"sizes": [1, 2]})
+    run = tracker.run
+    assert isinstance(accelerator.get_tracker("wandb"), WandBTracker) and accelerator.get_tracker("wandb", True) is run
+    assert isinstance(accelerator.get_tracker("tensorboard"), TensorBoardTracker)
+    assert fake.inits[0]["config"] == {"sizes": [1, 2]} and fake.inits[0]["dir"] == str(tmp_path)
+    tracker.log({"loss": 0.5, "note": "x"}, step=3)
+    tracker.finish()
+    assert run.finished and run.logged == [(3, {"loss": 0.5, "note": "x"})]
+    assert tensorboard_scalars(tmp_path) == {"loss": [(3, 0.5)]}  # numbers only: text is W&B's and metrics.jsonl's
+    assert accelerator.trackers == []  # ended once: accelerator.end_training() does not end them again
+    accelerator.end_training()
