@@ -34,6 +34,27 @@ def load_tokenizer_and_config(name: str):
     return tokenizer, config
 
 
+def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:
+    """messages[:end] through the tokenizer's chat template (text); a conversation it refuses is a UsageError that
+    names the first message refused."""
+    try:
+        return tokenizer.apply_chat_template(messages[:end], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # jinja2's TemplateError (the template's raise_exception) or any other
+        first = next((i for i in range(end) if _refuses(tokenizer, messages[:i + 1])), max(end - 1, 0))
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"the chat template of --model refuses message {first + 1} "
+                         f"(role {messages[first]['role']!r}): {reason}") from None
+
+
+def _refuses(tokenizer, messages: list[dict]) -> bool:
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:
+        return True
+    return False
+
+
 def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
     """Refuse --lora_target_modules that name no module of the model, listing its linear layers."""
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}

@@ -49,7 +49,7 @@ from common.export import export_pretrained  # noqa: E402
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
                           warmup_cosine, weight_decay_groups)
 from common.pretrained import (answer_probes, check_lora_targets, generate, keep_only_trained_in_checkpoints,  # noqa: E402
-                               load_tokenizer_and_config, shard_and_broadcast)
+                               load_tokenizer_and_config, render_chat, shard_and_broadcast)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 hand_back(THEIRS, imported=__name__ != "__main__")
@@ -163,26 +163,6 @@ def encode_chat(tokenizer, messages: list[dict], learn_from: int = 0) -> list[tu
     return examples + [(ids, labels)]
 
 
-def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:
-    """messages[:end] through the chat template; a conversation it refuses names the first message refused."""
-    try:
-        return tokenizer.apply_chat_template(messages[:end], tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as error:  # jinja2's TemplateError (the template's raise_exception) or any other
-        first = next((i for i in range(end) if _refuses(tokenizer, messages[:i + 1])), max(end - 1, 0))
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"the chat template of --model refuses message {first + 1} "
-                         f"(role {messages[first]['role']!r}): {reason}") from None
-
-
-def _refuses(tokenizer, messages: list[dict]) -> bool:
-    try:
-        tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:
-        return True
-    return False
-
-
 def text_windows(tokenizer, text: str, max_length: int) -> list[list[int]]:
     """Plain text as windows of max_length tokens (BOS if the tokenizer adds one, EOS at the end)."""
     ids = tokenizer(text, add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
@@ -268,6 +248,19 @@ def load_examples(cfg: Config, tokenizer) -> tuple[list[Example], list[Example],
         raise UsageError(f"--data_path {source.path}: {len(examples)} examples for training and {len(val_examples)} "
                          "for validation; both need some (more data, or another --val_fraction)")
     return examples, val_examples, kind
+
+
+def batched(cfg: Config, tokenizer, train: list[Example], val: list[Example], accelerator):
+    """The training and validation sets, their collate function and what a training item is: each batch padded to
+    its longest example, or with --packing whole examples in rows of up to --max_length tokens (validation: one
+    example a row)."""
+    train_set, val_set = ([(e.input_ids, e.labels) for e in examples] for examples in (train, val))
+    if not cfg.packing:
+        return train_set, val_set, PadToLongest(tokenizer.pad_token_id), "training examples"
+    train_set, val_set = PackedExamples(train_set, cfg.max_length), PackedExamples(val_set)
+    accelerator.print(f"packed {len(train)} training examples into {len(train_set)} rows of up to "
+                      f"{cfg.max_length} tokens ({train_set.filled(cfg.max_length):.0%} filled)")
+    return train_set, val_set, PackedCollate(tokenizer.pad_token_id), "packed rows"
 
 
 def forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -384,6 +377,13 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
                              merge_adapter=bool(cfg.lora_r and cfg.merge_lora))
 
 
+def patience_exhausted(cfg: Config, state) -> bool:
+    """--early_stopping_patience evaluations without a better val/loss, from the state alone: a resumed run goes on
+    counting where it stopped."""
+    return bool(cfg.early_stopping_patience and state.best_step is not None and
+                (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience)
+
+
 # ----------------------------------------------------------------------------------------- main
 @with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto",
                  release=release_process_group)  # the process group freed before Python shuts down
@@ -399,13 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.packing and (why := unpackable(model_config)):
         raise UsageError(f"--packing: {cfg.model} cannot be trained on packed rows: {why}")
     train_examples, val_examples, kind = load_examples(cfg, tokenizer)
-    train_set, val_set = ([(e.input_ids, e.labels) for e in examples] for examples in (train_examples, val_examples))
-    collate, what = PadToLongest(tokenizer.pad_token_id), "training examples"  # each batch padded to its longest
-    if cfg.packing:  # whole examples in rows of up to --max_length tokens; validation one example a row
-        train_set, val_set = PackedExamples(train_set, cfg.max_length), PackedExamples(val_set)
-        collate, what = PackedCollate(tokenizer.pad_token_id), "packed rows"
-        accelerator.print(f"packed {len(train_examples)} training examples into {len(train_set)} rows of up to "
-                          f"{cfg.max_length} tokens ({train_set.filled(cfg.max_length):.0%} filled)")
+    train_set, val_set, collate, what = batched(cfg, tokenizer, train_examples, val_examples, accelerator)
     train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
         accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers,
         what=what, collate_fn=collate)
@@ -423,18 +417,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
         accelerator, cfg, template="finetune_causal_lm", metric="val/loss", mode="min",
         model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
-        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
-    )
+        length="max_steps", total_steps=cfg.max_steps)  # a resume may train longer: the schedule then follows
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
-    accelerator.print(
-        f"{cfg.model}: {n_params:,} parameters, {n_trained:,} trained "
-        f"({f'LoRA r={cfg.lora_r}' if cfg.lora_r else 'full fine-tuning'}); "
-        f"{len(train_examples)} training / {len(val_examples)} validation examples ({kind} data from "
-        f"{cfg.data_path}), {cfg.max_steps} optimizer steps ({batches_per_epoch} micro-batches per epoch), "
-        f"learning rate {learning_rate:g}"
-    )
+    accelerator.print(f"{cfg.model}: {n_params:,} parameters, {n_trained:,} trained "
+                      f"({f'LoRA r={cfg.lora_r}' if cfg.lora_r else 'full fine-tuning'}); {len(train_examples)} "
+                      f"training / {len(val_examples)} validation examples ({kind} data from {cfg.data_path}), "
+                      f"{cfg.max_steps} optimizer steps ({batches_per_epoch} micro-batches per epoch), "
+                      f"learning rate {learning_rate:g}")
 
     # A few validation prompts answered at each evaluation (text data has no prompts to answer)
     probes = probe_prompts(val_examples, cfg.eval_samples, tokenizer.eos_token_id) if kind != "text" else []
@@ -465,12 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = False
-
-    def patience_exhausted() -> bool:  # from the state alone, so a resumed run goes on counting where it stopped
-        return bool(cfg.early_stopping_patience and state.best_step is not None and
-                    (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience)
-
-    early_stopped = patience_exhausted()  # a resumed run that had stopped early trains no further
+    early_stopped = patience_exhausted(cfg, state)  # a resumed run that had stopped early trains no further
     step_sums = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and target count in this step
     model.train()
     throughput.restart()
@@ -517,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                 data_wait=f"{logged['time/data_wait']:.0%}")
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
-                early_stopped = patience_exhausted()  # the same on every rank: val/loss is gathered
+                early_stopped = patience_exhausted(cfg, state)  # the same on every rank: val/loss is gathered
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             finished = state.step == cfg.max_steps or early_stopped
