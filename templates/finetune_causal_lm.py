@@ -377,11 +377,14 @@ def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Pa
                              merge_adapter=bool(cfg.lora_r and cfg.merge_lora))
 
 
-def patience_exhausted(cfg: Config, state) -> bool:
-    """--early_stopping_patience evaluations without a better val/loss, from the state alone: a resumed run goes on
-    counting where it stopped."""
-    return bool(cfg.early_stopping_patience and state.best_step is not None and
-                (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience)
+def early_stop(cfg: Config, state) -> str | None:
+    """Why the run ends early (--early_stopping_patience evaluations without a better val/loss), or None. From the
+    state alone, so a resumed run goes on counting where it stopped."""
+    if cfg.early_stopping_patience and state.best_step is not None and \
+            (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience:
+        return (f"early stopping: no better val/loss in {cfg.early_stopping_patience} evaluations after step "
+                f"{state.best_step}")
+    return None
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = False
-    early_stopped = patience_exhausted(cfg, state)  # a resumed run that had stopped early trains no further
+    early_stopped = early_stop(cfg, state)  # a resumed run that had stopped early trains no further
     step_sums = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and target count in this step
     model.train()
     throughput.restart()
@@ -503,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                 data_wait=f"{logged['time/data_wait']:.0%}")
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
-                early_stopped = patience_exhausted(cfg, state)  # the same on every rank: val/loss is gathered
+                early_stopped = early_stop(cfg, state)  # the same on every rank: val/loss is gathered
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             finished = state.step == cfg.max_steps or early_stopped
@@ -514,11 +517,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 break
     bar.close()
 
-    reason = None  # end_run's own: the stop signal or --stop_after_steps
     if early_stopped:
-        reason = (f"early stopping: no better val/loss in {cfg.early_stopping_patience} evaluations after step "
-                  f"{state.best_step}")
-        accelerator.print(f"stopped at step {state.step}: {reason}")
+        accelerator.print(f"stopped at step {state.step}: {early_stopped}")
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
     if state.step == cfg.max_steps or early_stopped:
@@ -540,7 +540,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
             accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
     # status.json, W&B, why it stopped (early stopping, its stop signal, --stop_after_steps); exit code 75: requeue
-    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping, reason=reason)
+    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping,
+            reason=early_stopped)  # None: end_run's own (the stop signal or --stop_after_steps)
     return metrics
 
 
