@@ -42,7 +42,7 @@ from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
 from common.checkpoint import CheckpointManager  # noqa: E402
 from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
-from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, build_loaders,  # noqa: E402
+from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders,  # noqa: E402
                          split_by_key, unpackable)
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
 from common.export import export_pretrained  # noqa: E402
@@ -208,9 +208,10 @@ def encode_record(record, tokenizer, max_length: int) -> tuple[list[tuple[list[i
     raise UsageError(f"needs {COLUMNS}; it has {', '.join(map(repr, record)) or 'no column'}{guess}")
 
 
-def encode_rows(rows, tokenizer, max_length: int, source: str) -> tuple[list[Example], str]:
-    """rows: (where, record, key) of one split. An example longer than max_length is refused, not cut."""
-    examples, too_long, kinds = [], [], []
+def encode_rows(split: tuple[str, Rows], tokenizer, max_length: int) -> tuple[list[Example], str]:
+    """One split, (its name in errors, its (where, record, key) rows), as examples and their kind. An example longer
+    than max_length is refused, not cut."""
+    (source, rows), examples, too_long, kinds = split, [], [], []
     for where, record, key in rows:
         try:
             pairs, kind = encode_record(record, tokenizer, max_length)
@@ -229,16 +230,15 @@ def load_examples(cfg: Config, tokenizer) -> tuple[list[Example], list[Example],
     """Training and validation examples, and the data's kind. Validation is the data's validation split
     (--data_val_split) if it has one, else the records whose stable hash falls below --val_fraction."""
     source = DataSource(cfg.data_path, cfg.data_config)  # refuses a path that is not there, a stray --data_config
-    val_examples = None
     try:
-        if (files := source.text_files()) is not None:  # plain text: windows of max_length tokens, all learned
-            examples, kind = [Example(ids, ids, f"{f.name}:{i * cfg.max_length}") for f in files for i, ids in
-                              enumerate(text_windows(tokenizer, f.read_text(encoding="utf-8"), cfg.max_length))], "text"
+        if (files := source.text_files()) is not None:  # plain text: windows of max_length tokens, every one learned
+            kind, val_examples = "text", None
+            examples = [Example(ids, ids, f"{f.name}:{i * cfg.max_length}") for f in files for i, ids in
+                        enumerate(text_windows(tokenizer, f.read_text(encoding="utf-8"), cfg.max_length))]
         else:
-            (train_name, train_rows), val = source.splits(cfg.data_split, cfg.data_val_split)
-            examples, kind = encode_rows(train_rows, tokenizer, cfg.max_length, train_name)
-            if val is not None:
-                val_examples = encode_rows(val[1], tokenizer, cfg.max_length, val[0])[0]
+            train, val = source.splits(cfg.data_split, cfg.data_val_split)  # val: None where the data has none
+            examples, kind = encode_rows(train, tokenizer, cfg.max_length)
+            val_examples = encode_rows(val, tokenizer, cfg.max_length)[0] if val is not None else None
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"--data_path {source.path}: cannot read it ({error})") from None
     if val_examples is None:
