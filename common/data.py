@@ -1,16 +1,19 @@
 """Data loaders built by the rules in README (seeded workers, shuffling and drop_last for training only), splits that
-never overlap, token streams read in fixed windows (memory-mapped token files), and examples packed into rows."""
+never overlap, token streams read in fixed windows (memory-mapped token files), the records of a dataset source (files,
+folders, `save_to_disk` folders, Hub ids), and examples padded or packed into batches."""
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import math
 import os
 import random
+import re
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -251,7 +254,104 @@ def token_file_splits(path: Path, block_size: int, val_fraction: float,
     return train, val, vocab_size or 64 * math.ceil((largest + 1) / 64)
 
 
-# ------------------------------------------------------------------------------------------ packing
+# ------------------------------------------------------------------------------ dataset sources
+DATASET_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # what `datasets` reads
+SAVED_DATASET = ("dataset_info.json", "dataset_dict.json", "state.json")  # what `save_to_disk` writes
+Rows = Iterable[tuple[str, object, str]]  # (where: "line 3" / "row 2", the record, its key: what a hash split reads)
+
+
+class DataSource:
+    """What --data_path names: plain text (a .txt file or a folder of text files: `text_files`), or records, read
+    split by split (`splits`) from a JSONL, JSON, parquet or CSV file or a folder of them, a `save_to_disk` folder or
+    a Hub dataset id. A path that is not there, or a --data_config it cannot have, is refused here."""
+
+    def __init__(self, data_path: str | None, data_config: str = ""):
+        if data_path is None:
+            raise UsageError("pass --data_path: a JSONL, JSON, parquet or CSV file or a folder of them, a save_to_disk "
+                             "folder, a Hub dataset id, or text")
+        self.name, self.config, self.path = data_path, data_config, Path(data_path)
+        path = self.path
+        hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", data_path) and path.suffix not in (*DATASET_FILES, ".txt")
+        if not path.exists() and not hub_id:
+            raise UsageError(f"--data_path {path}: no such file or folder")
+        if data_config and path.exists() and (path.is_file() or is_saved_dataset(path) or is_plain_text(path)):
+            raise UsageError(f"--data_config names a configuration of a Hub dataset or of a folder of data files; "
+                             f"--data_path {path} has none")
+
+    def text_files(self) -> list[Path] | None:
+        """The text files in sorted order (a folder's, hidden ones left out), or None where the source holds records."""
+        path = self.path
+        if not (path.exists() and is_plain_text(path)):
+            return None
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
+            else [path]
+
+    def splits(self, split: str, val_split: str) -> tuple[tuple[str, Rows], tuple[str, Rows] | None]:
+        """The rows of the training split and of the validation split (--data_val_split; '': 'validation' if the
+        data has it, else None), each with the name errors give it: the path, and the split where there are several.
+        A JSONL file is read line by line without `datasets`, so its errors name the line."""
+        path = self.path
+        found = {"train": jsonl_rows(path)} if path.suffix == ".jsonl" and path.is_file() else \
+            {name: dataset_rows(rows) for name, rows in self.load().items()}
+        for name in (split, val_split):
+            if name and name not in found:
+                raise UsageError(f"--data_path {path} has no split {name!r} (its splits: {', '.join(found)})")
+        if val_split == split:
+            raise UsageError(f"--data_val_split {val_split!r} is the training split too")
+        val_split = val_split or ("validation" if split != "validation" else "")
+        source = {name: f"{path} ({name} split)" if len(found) > 1 else str(path) for name in found}
+        return (source[split], found[split]), (source[val_split], found[val_split]) if val_split in found else None
+
+    def load(self) -> dict:
+        """Split name -> `datasets.Dataset`: a file or a folder of data files or a Hub id (`load_dataset`; a folder's
+        split names come from its file names: train*, validation*, test*), or a `save_to_disk` folder."""
+        import datasets  # here only: the other templates, JSONL and text data never need it
+
+        datasets.utils.logging.set_verbosity_error()
+        path = self.path
+        if path.exists():
+            datasets.disable_progress_bars()  # quick on local files; a Hub download keeps its progress bars
+        try:
+            if is_saved_dataset(path):
+                loaded = datasets.load_from_disk(str(path))
+            elif path.is_file():
+                loaded = datasets.load_dataset(DATASET_FILES[path.suffix], data_files=str(path))
+            else:
+                loaded = datasets.load_dataset(self.name, name=self.config or None)
+        except Exception as error:  # datasets' and pyarrow's own errors: one line, whatever their kind
+            reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            raise UsageError(f"--data_path {path}: " + ("cannot load it" if path.exists() else "no such file or "
+                             "folder, and `datasets` cannot load it as a Hub dataset") + f" ({reason})") from None
+        return {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
+
+
+def jsonl_rows(path: Path) -> Iterator[tuple[str, object, str]]:
+    """A JSONL file line by line, without `datasets` (its errors name the line)."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise UsageError(f"{path} line {number}: not JSON ({error})") from None
+            yield f"line {number}", record, line.strip()
+
+
+def dataset_rows(dataset) -> Iterator[tuple[str, object, str]]:
+    """A `datasets.Dataset` row by row (rows count from 0, as dataset[i] does)."""
+    for index, row in enumerate(dataset):
+        yield f"row {index}", row, json.dumps(row, default=str)  # the key of the same record as a JSONL line
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET)
+
+
+def is_plain_text(path: Path) -> bool:
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return not any(f.suffix in DATASET_FILES or f.name in SAVED_DATASET for f in files)
+
+
+# --------------------------------------------------------------------------- padded or packed batches
 # Packing for the fine-tuning template: whole examples concatenated into rows of up to `max_length` tokens,
 # so no compute goes to padding, and no example attends to another.
 #
@@ -339,6 +439,22 @@ class PackedCollate:
             targets += [IGNORE] * pad
         return {"input_ids": torch.tensor(input_ids), "position_ids": torch.tensor(position_ids),
                 "labels": torch.tensor(labels), "tokens": torch.tensor(tokens)}
+
+
+class PadToLongest:
+    """Collate (input_ids, labels) examples: right-pad each batch to its longest (pad token, attention 0, label
+    IGNORE). `tokens` counts the examples' tokens (padding excluded), for the throughput."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        longest = max(len(ids) for ids, _ in batch)
+        pad = [longest - len(ids) for ids, _ in batch]
+        return {"input_ids": torch.tensor([ids + [self.pad_id] * p for (ids, _), p in zip(batch, pad)]),
+                "attention_mask": torch.tensor([[1] * len(ids) + [0] * p for (ids, _), p in zip(batch, pad)]),
+                "labels": torch.tensor([labels + [IGNORE] * p for (_, labels), p in zip(batch, pad)]),
+                "tokens": torch.tensor(sum(len(ids) for ids, _ in batch))}
 
 
 def unpackable(config) -> str | None:

@@ -3,9 +3,9 @@
 Loading an export (`export_info`, `load_exported`) needs torch and safetensors only, not accelerate: this module
 imports nothing else at import, so it can be copied into an inference service beside the model's class. Writing
 one takes the run's Accelerator as an argument (`export_weights`, `publish_export`) and uses it by its methods.
-A template whose export is a folder (the fine-tuning template's `save_pretrained`) publishes it with
-`publish_export` too: written under a `.tmp-` name, synced, renamed over the previous one by the main process,
-and every rank learns whether it worked.
+A Hugging Face model's export is a folder (`export_pretrained`: `save_pretrained` and its tokenizer, loaded with
+transformers or peft); it is published with `publish_export` too: written under a `.tmp-` name, synced, renamed over
+the previous one by the main process, and every rank learns whether it worked.
 """
 
 from __future__ import annotations
@@ -79,6 +79,59 @@ def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Cal
                 _remove(tmp)  # free its space: nothing refers to it
     check_export(accelerator, path, failure)
     return path
+
+
+def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenizer, folder: str | os.PathLike,
+                      base_model: str, merge_adapter: bool = False) -> Path:
+    """A transformers model (or a peft one) as `save_pretrained` writes it (safetensors) with its tokenizer, loadable
+    without accelerate; call on every rank: under FSDP the full state dict is gathered on the main process.
+
+    A LoRA model exports its adapter (`PeftModel.from_pretrained` on `base_model`, a local base by its absolute
+    path), or with `merge_adapter` the model with the adapter merged in. The base's generation config comes along.
+    Published atomically (`publish_export`)."""
+    state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
+
+    def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
+        unwrapped = accelerator.unwrap_model(model)
+        if merge_adapter:  # merged on a plain CPU copy: the trained model may be sharded
+            from peft import get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            base_config = unwrapped.get_base_model().config
+            plain = get_peft_model(AutoModelForCausalLM.from_config(base_config, dtype=torch.float32),
+                                   unwrapped.peft_config["default"])
+            plain.load_state_dict({k: v.float() for k, v in state_dict.items()})
+            plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        adapter_file = tmp / "adapter_config.json"
+        if adapter_file.is_file() and Path(base_model).is_dir():  # a local base model by its absolute path, so
+            saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
+            saved["base_model_name_or_path"] = str(Path(base_model).resolve())
+            adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
+        config_file = tmp / "config.json"
+        if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
+            saved = json.loads(config_file.read_text())
+            saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
+            saved["use_cache"] = True
+            config_file.write_text(json.dumps(saved, indent=2) + "\n")
+        generation = _generation_config(base_model)
+        if generation is not None:  # the base's sampling defaults and stop ids: a merged or FSDP model was
+            generation.use_cache = True  # rebuilt from its config; gradient checkpointing turned the cache off
+            generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return publish_export(accelerator, folder, write)  # every rank learns whether it worked
+
+
+def _generation_config(name: str):
+    """The base model's generation_config.json (a Hub id from the local cache), or None if it has none."""
+    from transformers import GenerationConfig  # only where a transformers model is exported
+
+    try:
+        return GenerationConfig.from_pretrained(name)
+    except OSError:
+        return None
 
 
 def check_export(accelerator: Accelerator, path: str | os.PathLike, failure: str | None) -> None:

@@ -1,15 +1,68 @@
-"""Training a big pretrained model: load it under FSDP2 with one full copy per machine, and checkpoint only the
-parameters that train (a LoRA adapter), not the frozen rest.
+"""Training a big pretrained model: its tokenizer and config checked before anything is written, loaded under FSDP2
+with one full copy per machine, checkpoints of only the parameters that train (a LoRA adapter), not the frozen rest,
+and greedy answers to a few prompts while it trains.
 
 Mechanism the fine-tuning template uses and a user does not edit: which model, its dtype and the LoRA config stay in
-the template. Both follow accelerate's FSDP2 plugin and its save/load-state hooks (accelerate 1.16); neither is
-about language models.
+the template. The loading and the checkpoints follow accelerate's FSDP2 plugin and its save/load-state hooks
+(accelerate 1.16).
 """
 
 from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+
+from common.errors import UsageError
+
+
+def load_tokenizer_and_config(name: str):
+    """The tokenizer and config of --model, refused in one line if missing or not a causal LM."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise UsageError(f"--model {name}: a {config.model_type!r} model is not a causal language model")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {name}: cannot load it ({str(error).splitlines()[0]})") from None
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"--model {name}: its tokenizer has no end-of-sequence token to end completions with")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked: any id works
+    return tokenizer, config
+
+
+def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:
+    """messages[:end] through the tokenizer's chat template (text); a conversation it refuses is a UsageError that
+    names the first message refused."""
+    try:
+        return tokenizer.apply_chat_template(messages[:end], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # jinja2's TemplateError (the template's raise_exception) or any other
+        first = next((i for i in range(end) if _refuses(tokenizer, messages[:i + 1])), max(end - 1, 0))
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"the chat template of --model refuses message {first + 1} "
+                         f"(role {messages[first]['role']!r}): {reason}") from None
+
+
+def _refuses(tokenizer, messages: list[dict]) -> bool:
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:
+        return True
+    return False
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Refuse --lora_target_modules that name no module of the model, listing its linear layers."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t != "all-linear" and t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UsageError(f"--lora_target_modules: the model has no module named {', '.join(missing)} "
+                         f"(its linear layers: {', '.join(linear)})")
 
 
 def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: Accelerator) -> None:
@@ -73,3 +126,28 @@ def keep_only_trained_in_checkpoints(accelerator: Accelerator, model: torch.nn.M
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int, eos_id: int, device) -> list[int]:
+    """Greedy decoding, the same number of forwards on every rank (FSDP needs all ranks in each one)."""
+    model.eval()
+    ids = torch.tensor([prompt_ids], device=device)
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    model.train()
+    out = ids[0, len(prompt_ids):].tolist()
+    return out[: out.index(eos_id)] if eos_id in out else out
+
+
+def answer_probes(model: torch.nn.Module, probes: list[tuple[list[int], list[int]]], tokenizer,
+                  device) -> tuple[list[dict[str, str]], float]:
+    """Greedy answers to the probe prompts, (prompt, expected answer) pairs (as many tokens as the expected answer,
+    and its EOS), and the share that matches the expected answer exactly."""
+    rows, matches = [], 0
+    for prompt, expected in probes:
+        output = generate(model, prompt, len(expected) + 1, tokenizer.eos_token_id, device)
+        matches += output == expected
+        rows.append({"prompt": tokenizer.decode(prompt), "output": tokenizer.decode(output),
+                     "expected": tokenizer.decode(expected)})
+    return rows, matches / max(1, len(probes))

@@ -19,7 +19,6 @@ broadcast, so a machine holds one full copy while loading. Copy this file plus `
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -30,7 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
@@ -44,13 +42,14 @@ from common import hand_back  # noqa: E402
 from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
 from common.checkpoint import CheckpointManager  # noqa: E402
 from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
-from common.data import build_loaders, split_by_key  # noqa: E402
+from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders,  # noqa: E402
+                         split_by_key, unpackable)
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.export import publish_export  # noqa: E402
+from common.export import export_pretrained  # noqa: E402
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
                           warmup_cosine, weight_decay_groups)
-from common.data import PackedCollate, PackedExamples, unpackable  # noqa: E402
-from common.pretrained import keep_only_trained_in_checkpoints, shard_and_broadcast  # noqa: E402
+from common.pretrained import (answer_probes, check_lora_targets, generate, keep_only_trained_in_checkpoints,  # noqa: E402
+                               load_tokenizer_and_config, render_chat, shard_and_broadcast)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 hand_back(THEIRS, imported=__name__ != "__main__")
@@ -111,8 +110,6 @@ class Config(OptimOptions, RunOptions):
 
 
 # ----------------------------------------------------------------------------------------- data
-DATASET_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # what `datasets` reads
-SAVED_DATASET = ("dataset_info.json", "dataset_dict.json", "state.json")  # what `save_to_disk` writes
 COLUMNS = "'prompt' and 'completion', 'messages' or 'text' (TRL's columns)"
 # What Qwen3-style templates put before the last assistant turn whatever the data holds: learned only if it is there
 EMPTY_REASONING = re.compile(r"<think>\s*</think>\s*")
@@ -166,26 +163,6 @@ def encode_chat(tokenizer, messages: list[dict], learn_from: int = 0) -> list[tu
     return examples + [(ids, labels)]
 
 
-def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:
-    """messages[:end] through the chat template; a conversation it refuses names the first message refused."""
-    try:
-        return tokenizer.apply_chat_template(messages[:end], tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as error:  # jinja2's TemplateError (the template's raise_exception) or any other
-        first = next((i for i in range(end) if _refuses(tokenizer, messages[:i + 1])), max(end - 1, 0))
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"the chat template of --model refuses message {first + 1} "
-                         f"(role {messages[first]['role']!r}): {reason}") from None
-
-
-def _refuses(tokenizer, messages: list[dict]) -> bool:
-    try:
-        tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:
-        return True
-    return False
-
-
 def text_windows(tokenizer, text: str, max_length: int) -> list[list[int]]:
     """Plain text as windows of max_length tokens (BOS if the tokenizer adds one, EOS at the end)."""
     ids = tokenizer(text, add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
@@ -231,9 +208,10 @@ def encode_record(record, tokenizer, max_length: int) -> tuple[list[tuple[list[i
     raise UsageError(f"needs {COLUMNS}; it has {', '.join(map(repr, record)) or 'no column'}{guess}")
 
 
-def encode_rows(rows, tokenizer, max_length: int, source: str) -> tuple[list[Example], str]:
-    """rows: (where, record, key) of one split. An example longer than max_length is refused, not cut."""
-    examples, too_long, kinds = [], [], []
+def encode_rows(split: tuple[str, Rows], tokenizer, max_length: int) -> tuple[list[Example], str]:
+    """One split, (its name in errors, its (where, record, key) rows), as examples and their kind. An example longer
+    than max_length is refused, not cut."""
+    (source, rows), examples, too_long, kinds = split, [], [], []
     for where, record, key in rows:
         try:
             pairs, kind = encode_record(record, tokenizer, max_length)
@@ -248,131 +226,41 @@ def encode_rows(rows, tokenizer, max_length: int, source: str) -> tuple[list[Exa
     return examples, kinds[0] if kinds else "completion"
 
 
-def jsonl_rows(path: Path):
-    """A JSONL file line by line, without `datasets` (its errors name the line)."""
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise UsageError(f"{path} line {number}: not JSON ({error})") from None
-            yield f"line {number}", record, line.strip()
-
-
-def dataset_rows(dataset):
-    """A `datasets.Dataset` row by row (rows count from 0, as dataset[i] does)."""
-    for index, row in enumerate(dataset):
-        yield f"row {index}", row, json.dumps(row, default=str)  # the key of the same record as a JSONL line
-
-
-def load_splits(cfg: Config) -> dict:
-    """--data_path through `datasets`, split name -> Dataset: a file or a folder of data files or a Hub id
-    (`load_dataset`; a folder's split names come from its file names: train*, validation*, test*), or a
-    `save_to_disk` folder (`load_from_disk`)."""
-    import datasets  # here only: the other templates, JSONL and text data never need it
-
-    datasets.utils.logging.set_verbosity_error()
-    path = Path(cfg.data_path)
-    if path.exists():
-        datasets.disable_progress_bars()  # quick on local files; a Hub download keeps its progress bars
-    try:
-        if is_saved_dataset(path):
-            loaded = datasets.load_from_disk(str(path))
-        elif path.is_file():
-            loaded = datasets.load_dataset(DATASET_FILES[path.suffix], data_files=str(path))
-        else:
-            loaded = datasets.load_dataset(cfg.data_path, name=cfg.data_config or None)
-    except Exception as error:  # datasets' and pyarrow's own errors: one line, whatever their kind
-        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-        raise UsageError(f"--data_path {path}: " + ("cannot load it" if path.exists() else "no such file or folder, "
-                         "and `datasets` cannot load it as a Hub dataset") + f" ({reason})") from None
-    return {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
-
-
-def is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET)
-
-
-def is_plain_text(path: Path) -> bool:
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    return not any(f.suffix in DATASET_FILES or f.name in SAVED_DATASET for f in files)
-
-
-def read_text(path: Path, tokenizer, max_length: int) -> list[Example]:
-    """A .txt file or a folder of text files as windows of max_length tokens, every token learned."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
-        else [path]
-    return [Example(ids, ids, f"{f.name}:{i * max_length}") for f in files
-            for i, ids in enumerate(text_windows(tokenizer, f.read_text(encoding="utf-8"), max_length))]
-
-
 def load_examples(cfg: Config, tokenizer) -> tuple[list[Example], list[Example], str]:
     """Training and validation examples, and the data's kind. Validation is the data's validation split
     (--data_val_split) if it has one, else the records whose stable hash falls below --val_fraction."""
-    if cfg.data_path is None:
-        raise UsageError("pass --data_path: a JSONL, JSON, parquet or CSV file or a folder of them, a save_to_disk "
-                         "folder, a Hub dataset id, or text")
-    path = Path(cfg.data_path)
-    hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", cfg.data_path) and path.suffix not in (*DATASET_FILES, ".txt")
-    if not path.exists() and not hub_id:
-        raise UsageError(f"--data_path {path}: no such file or folder")
-    if cfg.data_config and path.exists() and (path.is_file() or is_saved_dataset(path) or is_plain_text(path)):
-        raise UsageError(f"--data_config names a configuration of a Hub dataset or of a folder of data files; "
-                         f"--data_path {path} has none")
-    val_examples = None
+    source = DataSource(cfg.data_path, cfg.data_config)  # refuses a path that is not there, a stray --data_config
     try:
-        if path.exists() and is_plain_text(path):
-            examples, kind = read_text(path, tokenizer, cfg.max_length), "text"
+        if (files := source.text_files()) is not None:  # plain text: windows of max_length tokens, every one learned
+            kind, val_examples = "text", None
+            examples = [Example(ids, ids, f"{f.name}:{i * cfg.max_length}") for f in files for i, ids in
+                        enumerate(text_windows(tokenizer, f.read_text(encoding="utf-8"), cfg.max_length))]
         else:
-            splits = {"train": jsonl_rows(path)} if path.suffix == ".jsonl" and path.is_file() else \
-                {name: dataset_rows(split) for name, split in load_splits(cfg).items()}
-            val_split = cfg.data_val_split or ("validation" if cfg.data_split != "validation" else "")
-            for name in (cfg.data_split, cfg.data_val_split):
-                if name and name not in splits:
-                    raise UsageError(f"--data_path {path} has no split {name!r} (its splits: {', '.join(splits)})")
-            if cfg.data_val_split == cfg.data_split:
-                raise UsageError(f"--data_val_split {cfg.data_val_split!r} is the training split too")
-            source = {name: f"{path} ({name} split)" if len(splits) > 1 else str(path) for name in splits}
-            examples, kind = encode_rows(splits[cfg.data_split], tokenizer, cfg.max_length, source[cfg.data_split])
-            if val_split in splits:
-                val_examples = encode_rows(splits[val_split], tokenizer, cfg.max_length, source[val_split])[0]
+            train, val = source.splits(cfg.data_split, cfg.data_val_split)  # val: None where the data has none
+            examples, kind = encode_rows(train, tokenizer, cfg.max_length)
+            val_examples = encode_rows(val, tokenizer, cfg.max_length)[0] if val is not None else None
     except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"--data_path {path}: cannot read it ({error})") from None
-    if val_examples is not None:
-        train_examples = examples
-    else:
+        raise UsageError(f"--data_path {source.path}: cannot read it ({error})") from None
+    if val_examples is None:
         train_idx, val_idx = split_by_key([e.key for e in examples], cfg.val_fraction)
-        train_examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
-    if not train_examples or not val_examples:
-        raise UsageError(f"--data_path {path}: {len(train_examples)} examples for training and {len(val_examples)} "
+        examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
+    if not examples or not val_examples:
+        raise UsageError(f"--data_path {source.path}: {len(examples)} examples for training and {len(val_examples)} "
                          "for validation; both need some (more data, or another --val_fraction)")
-    return train_examples, val_examples, kind
+    return examples, val_examples, kind
 
 
-class Examples(Dataset):
-    def __init__(self, examples: list[Example]):
-        self.examples = examples
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
-        return self.examples[index].input_ids, self.examples[index].labels
-
-
-class PadToLongest:
-    """Collate: right-pad each batch to its longest example (pad token, attention 0, label IGNORE)."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-
-    def __call__(self, batch: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for ids, _ in batch)
-        pad = [longest - len(ids) for ids, _ in batch]
-        return {"input_ids": torch.tensor([ids + [self.pad_id] * p for (ids, _), p in zip(batch, pad)]),
-                "attention_mask": torch.tensor([[1] * len(ids) + [0] * p for (ids, _), p in zip(batch, pad)]),
-                "labels": torch.tensor([labels + [IGNORE] * p for (_, labels), p in zip(batch, pad)]),
-                "tokens": torch.tensor(sum(len(ids) for ids, _ in batch))}  # not padding: for the throughput
+def batched(cfg: Config, tokenizer, train: list[Example], val: list[Example], accelerator):
+    """The training and validation sets, their collate function and what a training item is: each batch padded to
+    its longest example, or with --packing whole examples in rows of up to --max_length tokens (validation: one
+    example a row)."""
+    train_set, val_set = ([(e.input_ids, e.labels) for e in examples] for examples in (train, val))
+    if not cfg.packing:
+        return train_set, val_set, PadToLongest(tokenizer.pad_token_id), "training examples"
+    train_set, val_set = PackedExamples(train_set, cfg.max_length), PackedExamples(val_set)
+    accelerator.print(f"packed {len(train)} training examples into {len(train_set)} rows of up to "
+                      f"{cfg.max_length} tokens ({train_set.filled(cfg.max_length):.0%} filled)")
+    return train_set, val_set, PackedCollate(tokenizer.pad_token_id), "packed rows"
 
 
 def forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -392,34 +280,6 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- model
-def load_tokenizer_and_config(name: str):
-    """The tokenizer and config of --model, refused in one line if missing or not a causal LM."""
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    try:
-        config = AutoConfig.from_pretrained(name)
-        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise UsageError(f"--model {name}: a {config.model_type!r} model is not a causal language model")
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"--model {name}: cannot load it ({str(error).splitlines()[0]})") from None
-    if tokenizer.eos_token_id is None:
-        raise UsageError(f"--model {name}: its tokenizer has no end-of-sequence token to end completions with")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked: any id works
-    return tokenizer, config
-
-
-def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t != "all-linear" and t not in names]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise UsageError(f"--lora_target_modules: the model has no module named {', '.join(missing)} "
-                         f"(its linear layers: {', '.join(linear)})")
-
-
 def load_model(cfg: Config, accelerator, config):
     """The pretrained model, adapted for training (LoRA, gradient checkpointing, compile).
 
@@ -488,18 +348,6 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/tokens": tokens}
 
 
-@torch.no_grad()
-def generate(model, prompt_ids: list[int], new_tokens: int, eos_id: int, device) -> list[int]:
-    """Greedy decoding, the same number of forwards on every rank (FSDP needs all ranks in each one)."""
-    model.eval()
-    ids = torch.tensor([prompt_ids], device=device)
-    for _ in range(new_tokens):
-        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
-    model.train()
-    out = ids[0, len(prompt_ids):].tolist()
-    return out[: out.index(eos_id)] if eos_id in out else out
-
-
 def probe_prompts(examples: list[Example], count: int, eos_id: int) -> list[tuple[list[int], list[int]]]:
     """The first `count` examples as (prompt, answer): the tokens before the first learned one, and the learned ones
     after them up to the end of the sequence (a completion; a first assistant turn), cut before the EOS."""
@@ -512,64 +360,31 @@ def probe_prompts(examples: list[Example], count: int, eos_id: int) -> list[tupl
     return probes
 
 
-def answer_probes(model, probes, tokenizer, device) -> tuple[list[dict[str, str]], float]:
-    """Greedy answers to the probe prompts (as many tokens as the expected answer, and its EOS), and the share
-    that matches the expected answer exactly."""
-    rows, matches = [], 0
-    for prompt, expected in probes:
-        output = generate(model, prompt, len(expected) + 1, tokenizer.eos_token_id, device)
-        matches += output == expected
-        rows.append({"prompt": tokenizer.decode(prompt), "output": tokenizer.decode(output),
-                     "expected": tokenizer.decode(expected)})
-    return rows, matches / max(1, len(probes))
-
-
-def base_generation_config(name: str):
-    """The base model's generation_config.json (a Hub id from the local cache), or None if it has none."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(name)
-    except OSError:
-        return None
+def sample_prompt(cfg: Config, tokenizer, kind: str, example: Example) -> list[int]:
+    """The prompt of the sample at the end: --prompt (chat data: as the user message), else a validation example up
+    to its first learned token."""
+    if not cfg.prompt:
+        return example.input_ids[:next((i for i, label in enumerate(example.labels) if label != IGNORE), 1)]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
+                                         add_generation_prompt=True) if kind == "chat" else cfg.prompt
+    return tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
 
 
 def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Path:
     """save_pretrained (safetensors) + tokenizer, loadable without accelerate; under FSDP gathered on the main process.
     LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written atomically."""
-    state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
+    return export_pretrained(accelerator, model, tokenizer, folder, cfg.model,
+                             merge_adapter=bool(cfg.lora_r and cfg.merge_lora))
 
-    def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
-        unwrapped = accelerator.unwrap_model(model)
-        if cfg.lora_r and cfg.merge_lora:  # merged on a plain CPU copy: the trained model may be sharded
-            from peft import get_peft_model
-            from transformers import AutoModelForCausalLM
 
-            base_config = unwrapped.get_base_model().config
-            plain = get_peft_model(AutoModelForCausalLM.from_config(base_config, dtype=torch.float32),
-                                   unwrapped.peft_config["default"])
-            plain.load_state_dict({k: v.float() for k, v in state_dict.items()})
-            plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
-        else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        adapter_file = tmp / "adapter_config.json"
-        if adapter_file.is_file() and Path(cfg.model).is_dir():  # a local base model by its absolute path, so
-            saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
-            saved["base_model_name_or_path"] = str(Path(cfg.model).resolve())
-            adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
-        config_file = tmp / "config.json"
-        if config_file.is_file():  # FSDP2 renames the class (FSDPLlamaForCausalLM); record the real one
-            saved = json.loads(config_file.read_text())
-            saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
-            saved["use_cache"] = True
-            config_file.write_text(json.dumps(saved, indent=2) + "\n")
-        generation = base_generation_config(cfg.model)
-        if generation is not None:  # the base's sampling defaults and stop ids: a merged or FSDP model was
-            generation.use_cache = True  # rebuilt from its config; gradient checkpointing turned the cache off
-            generation.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    return publish_export(accelerator, folder, write)  # every rank learns whether it worked
+def early_stop(cfg: Config, state) -> str | None:
+    """Why the run ends early (--early_stopping_patience evaluations without a better val/loss), or None. From the
+    state alone, so a resumed run goes on counting where it stopped."""
+    if cfg.early_stopping_patience and state.best_step is not None and \
+            (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience:
+        return (f"early stopping: no better val/loss in {cfg.early_stopping_patience} evaluations after step "
+                f"{state.best_step}")
+    return None
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -587,16 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.packing and (why := unpackable(model_config)):
         raise UsageError(f"--packing: {cfg.model} cannot be trained on packed rows: {why}")
     train_examples, val_examples, kind = load_examples(cfg, tokenizer)
-    if cfg.packing:  # whole examples in rows of up to --max_length tokens; validation one example a row
-        pairs = {name: [(e.input_ids, e.labels) for e in examples] for name, examples in
-                 (("train", train_examples), ("val", val_examples))}
-        train_set, val_set = PackedExamples(pairs["train"], cfg.max_length), PackedExamples(pairs["val"])
-        collate, what = PackedCollate(tokenizer.pad_token_id), "packed rows"
-        accelerator.print(f"packed {len(train_examples)} training examples into {len(train_set)} rows of up to "
-                          f"{cfg.max_length} tokens ({train_set.filled(cfg.max_length):.0%} filled)")
-    else:
-        train_set, val_set = Examples(train_examples), Examples(val_examples)
-        collate, what = PadToLongest(tokenizer.pad_token_id), "training examples"
+    train_set, val_set, collate, what = batched(cfg, tokenizer, train_examples, val_examples, accelerator)
     train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
         accelerator, train_set, val_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_workers,
         what=what, collate_fn=collate)
@@ -614,18 +420,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
         accelerator, cfg, template="finetune_causal_lm", metric="val/loss", mode="min",
         model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
-        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
-    )
+        length="max_steps", total_steps=cfg.max_steps)  # a resume may train longer: the schedule then follows
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
-    accelerator.print(
-        f"{cfg.model}: {n_params:,} parameters, {n_trained:,} trained "
-        f"({f'LoRA r={cfg.lora_r}' if cfg.lora_r else 'full fine-tuning'}); "
-        f"{len(train_examples)} training / {len(val_examples)} validation examples ({kind} data from "
-        f"{cfg.data_path}), {cfg.max_steps} optimizer steps ({batches_per_epoch} micro-batches per epoch), "
-        f"learning rate {learning_rate:g}"
-    )
+    accelerator.print(f"{cfg.model}: {n_params:,} parameters, {n_trained:,} trained "
+                      f"({f'LoRA r={cfg.lora_r}' if cfg.lora_r else 'full fine-tuning'}); {len(train_examples)} "
+                      f"training / {len(val_examples)} validation examples ({kind} data from {cfg.data_path}), "
+                      f"{cfg.max_steps} optimizer steps ({batches_per_epoch} micro-batches per epoch), "
+                      f"learning rate {learning_rate:g}")
 
     # A few validation prompts answered at each evaluation (text data has no prompts to answer)
     probes = probe_prompts(val_examples, cfg.eval_samples, tokenizer.eos_token_id) if kind != "text" else []
@@ -656,12 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     session_steps = 0
     metrics: dict[str, float] = {}
     stopping = False
-
-    def patience_exhausted() -> bool:  # from the state alone, so a resumed run goes on counting where it stopped
-        return bool(cfg.early_stopping_patience and state.best_step is not None and
-                    (state.step - state.best_step) // cfg.eval_every_steps >= cfg.early_stopping_patience)
-
-    early_stopped = patience_exhausted()  # a resumed run that had stopped early trains no further
+    early_stopped = early_stop(cfg, state)  # a resumed run that had stopped early trains no further
     step_sums = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and target count in this step
     model.train()
     throughput.restart()
@@ -708,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                 data_wait=f"{logged['time/data_wait']:.0%}")
             if state.step == cfg.max_steps or (cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0):
                 metrics = validate()
-                early_stopped = patience_exhausted()  # the same on every rank: val/loss is gathered
+                early_stopped = early_stop(cfg, state)  # the same on every rank: val/loss is gathered
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             finished = state.step == cfg.max_steps or early_stopped
@@ -719,11 +517,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 break
     bar.close()
 
-    reason = None  # end_run's own: the stop signal or --stop_after_steps
     if early_stopped:
-        reason = (f"early stopping: no better val/loss in {cfg.early_stopping_patience} evaluations after step "
-                  f"{state.best_step}")
-        accelerator.print(f"stopped at step {state.step}: {reason}")
+        accelerator.print(f"stopped at step {state.step}: {early_stopped}")
     if stopping:
         ckpt.save(state, wait=True)  # exactly where we are, on disk before the process exits
     if state.step == cfg.max_steps or early_stopped:
@@ -741,18 +536,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                           f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
         tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if cfg.sample_tokens:
-            if cfg.prompt:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
-                                                     add_generation_prompt=True) if kind == "chat" else cfg.prompt
-                prompt_ids = tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
-            else:  # a validation example up to its first learned token
-                example = val_examples[0]
-                first = next((i for i, label in enumerate(example.labels) if label != IGNORE), 1)
-                prompt_ids = example.input_ids[:first]
+            prompt_ids = sample_prompt(cfg, tokenizer, kind, val_examples[0])
             sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
             accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
     # status.json, W&B, why it stopped (early stopping, its stop signal, --stop_after_steps); exit code 75: requeue
-    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping, reason=reason)
+    end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping,
+            reason=early_stopped)  # None: end_run's own (the stop signal or --stop_after_steps)
     return metrics
 
 
