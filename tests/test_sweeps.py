@@ -275,7 +275,9 @@ class SweepAgent:
         agent = wandb_agent.Agent(api=None, queue=None, sweep_id=SWEEP_ID)
         agent._sweep_command = list(self.sweep_config["command"])
         agent._command_run({"type": "run", "run_id": run_id, "program": self.sweep_config["program"], "args": proposal})
-        agent_vars = {k: v for k, v in captured["env"].items() if k.startswith("WANDB_") and k != "WANDB_MODE"}
+        # WANDB_SERVICE: the socket of a W&B service an earlier in-process test started, not the agent's
+        agent_vars = {k: v for k, v in captured["env"].items()
+                      if k.startswith("WANDB_") and k not in ("WANDB_MODE", "WANDB_SERVICE")}
         env = clean_env(**agent_vars, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
         return subprocess.Popen(captured["command"], cwd=self.checkout, env=env, stdout=output,
                                 stderr=subprocess.STDOUT, start_new_session=True)
