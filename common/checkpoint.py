@@ -157,31 +157,15 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
-        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder) and return the state.
-
-        "auto" continues from the newest complete checkpoint in this output folder, or starts fresh
-        when there is none. "none" starts fresh and refuses a folder that already holds checkpoints,
-        so an earlier run is never overwritten by accident. A run folder (or its `checkpoints/`)
-        stands for its newest complete checkpoint, as "auto" picks it there.
-        """
+        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder: `checkpoint_to_resume`)
+        and return the state; a fresh one where there is nothing to resume."""
         self._check_run_file()
         # Each rank its own streams for dropout and augmentation from here on (init used one for all);
         # a resume then restores the streams the checkpoint saved.
         set_seed(self.seed, device_specific=True)
         for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
             self.accelerator.print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
-        existing = self.complete_checkpoints()
-        if resume == "none":
-            if existing:
-                raise UsageError(
-                    f"{self.output_dir} already holds checkpoints of a run (newest: {existing[-1].name}); "
-                    "pass --resume auto to continue it or choose another --output_dir"
-                )
-            path = None
-        elif resume == "auto":
-            path = existing[-1] if existing else None
-        else:
-            path = checkpoint_to_resume(resume)
+        path = checkpoint_to_resume(resume, self.dir)
         # Every rank must load the same checkpoint, whatever its view of the folder.
         chosen = [str(path) if path is not None else None]
         broadcast_object_list(chosen)
@@ -192,16 +176,13 @@ class CheckpointManager:
     def load(self, path: Path) -> TrainingState:
         meta = read_progress(path)
         if meta.get("template") != self.template:
-            raise UsageError(
-                f"checkpoint {path} was written by template {meta.get('template')!r}, not {self.template!r}"
-            )
+            raise UsageError(f"checkpoint {path} was written by template {meta.get('template')!r}, "
+                             f"not {self.template!r}")
         grown = check_settings(path, meta.get("config"), self.config, self.may_change, self.length)
         processes = self.accelerator.num_processes
         if meta.get("world_size") != processes:
-            self.accelerator.print(
-                f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), resuming with "
-                f"{processes}: training continues, but not bit-identically"
-            )
+            self.accelerator.print(f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), "
+                                   f"resuming with {processes}: training continues, but not bit-identically")
         elif missing := [f"{RNG_PREFIX}{rank}.pkl" for rank in range(processes)
                          if not (path / f"{RNG_PREFIX}{rank}.pkl").is_file()]:
             # accelerate would silently go on without them: a resume that is not exact
@@ -482,9 +463,20 @@ def _checkpoint_of_same_step(folder: Path, step: int, exclude: str) -> Path | No
     return None
 
 
-def checkpoint_to_resume(resume: str) -> Path:
-    """The checkpoint `--resume PATH` names: a checkpoint folder, or a run folder (or its `checkpoints/`),
-    which stands for its newest complete checkpoint."""
+def checkpoint_to_resume(resume: str, folder: Path) -> Path | None:
+    """The checkpoint `--resume` names (None: start fresh), for a run whose checkpoints go to `folder`.
+
+    "auto" continues from the newest complete checkpoint in `folder`, or starts fresh when there is none.
+    "none" starts fresh and refuses a folder that already holds checkpoints, so an earlier run is never
+    overwritten by accident. A run folder (or its `checkpoints/`) stands for its newest complete checkpoint,
+    as "auto" picks it there.
+    """
+    existing = complete_checkpoints(folder)
+    if resume == "none" and existing:
+        raise UsageError(f"{folder.parent} already holds checkpoints of a run (newest: {existing[-1].name}); "
+                         "pass --resume auto to continue it or choose another --output_dir")
+    if resume in ("none", "auto"):
+        return existing[-1] if existing else None
     path = Path(resume)
     if not path.is_dir():
         raise UsageError(f"--resume {resume}: no such checkpoint or run folder")
