@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import accelerate.accelerator
@@ -32,7 +33,7 @@ from accelerate.utils import (
 )
 
 from common.background_save import finish_background_saves
-from common.checkpoint import CheckpointManager, check_output_dir
+from common.checkpoint import CheckpointManager
 from common.errors import EXIT_PREEMPTED, UsageError
 from common.tracking import say, sweep_run_dir
 
@@ -233,6 +234,30 @@ def end_run(accelerator: Accelerator, *, status, tracker, preemption: Preemption
               file=sys.stderr if requeue else sys.stdout, flush=True)
     if requeue:
         sys.exit(EXIT_PREEMPTED)
+
+
+def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> None:
+    """Refuse an output folder that is a file, or that cannot be created or written, before anything is written.
+
+    It only looks (os.access, no probe file), so a refused command leaves no trace. Root may write
+    whatever the permission bits say; what even root cannot write (a read-only file system, /proc/1)
+    is refused all the same.
+    """
+    target = existing = Path(path)
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent  # the nearest folder that exists: the new ones are made in it
+        is_dir = existing.is_dir()
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot look at it ({error.strerror})") from None
+    if existing == target and not is_dir:
+        raise UsageError(f"{option} {path} is a file, not a folder")
+    if existing == target and not os.access(target, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: this folder is not writable")
+    if not is_dir:
+        raise UsageError(f"{option} {path} cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path} cannot be created: {existing} is not writable")
 
 
 def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:

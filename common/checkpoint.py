@@ -44,13 +44,15 @@ from safetensors import SafetensorError
 
 from common.config import RunOptions, config_to_dict, may_change_on_resume
 from common.background_save import BackgroundSave, HostCopy, Snapshot, cannot_mirror, snapshot_state
-from common.errors import SaveError, UsageError, is_rank_lost, one_line
+from common.errors import SaveError, UsageError, checkpoint_reason, inner_errors, is_rank_lost
 from common.export import fsync_file, fsync_tree
+from common.optim import follow_new_schedule
 from common.pickle_allowlist import check_pickles
 
 PROGRESS_FILE = "progress.json"
 RUN_FILE = "run.json"
 _NAME = re.compile(r"^(step|best_step)_(\d{8})$")
+RNG_PREFIX = "random_states_"  # accelerate's RNG file of each rank: random_states_<rank>.pkl
 
 
 @dataclass
@@ -99,6 +101,15 @@ class TrainingState:
         self.interval_loss_sum, self.interval_batches, self.interval_targets = 0.0, 0, 0.0
         return mean
 
+    def record(self) -> dict:
+        """The fields as progress.json holds them; the interval's loss sum read from the device (exact in a float)."""
+        return {name: float(value) if isinstance(value, torch.Tensor) else value for name, value in vars(self).items()}
+
+    @classmethod
+    def from_record(cls, meta: dict) -> TrainingState:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in meta.items() if k in fields})
+
 
 class CheckpointManager:
     """Saves and restores the whole training state through `accelerator.save_state/load_state`.
@@ -107,41 +118,21 @@ class CheckpointManager:
     the RNG state of every rank; `progress.json` adds step, epoch, data position and best metric.
     """
 
-    def __init__(
-        self,
-        accelerator: Accelerator,
-        output_dir: str | os.PathLike,
-        *,
-        template: str,
-        config: dict,
-        metric: str,
-        mode: str = "max",
-        keep_last: int = 3,
-        every_steps: int = 0,
-        seed: int = 0,
-        may_change: frozenset[str] | set[str] = may_change_on_resume(RunOptions),
-        model_info: dict | None = None,
-        background: bool = False,
-        timeout_s: float = 600.0,
-        length: str | None = None,
-        total_steps: int | None = None,
-    ):
+    def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, template: str, config: dict,
+                 metric: str, mode: str = "max", keep_last: int = 3, every_steps: int = 0, seed: int = 0,
+                 may_change: frozenset[str] | set[str] = may_change_on_resume(RunOptions),
+                 model_info: dict | None = None, background: bool = False, timeout_s: float = 600.0,
+                 length: str | None = None, total_steps: int | None = None):
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.dir = self.output_dir / "checkpoints"
-        self.template = template
-        self.config = config
-        self.metric = metric
-        self.mode = mode
-        self.keep_last = keep_last
-        self.may_change = frozenset(may_change)  # the config entries a resume may change (`_check_settings`)
-        self.every_steps = every_steps
-        self.seed = seed
+        self.template, self.config, self.metric, self.mode = template, config, metric, mode
+        self.keep_last, self.every_steps, self.seed = keep_last, every_steps, seed
+        self.may_change = frozenset(may_change)  # the config entries a resume may change (`check_settings`)
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
         # The option that sets how long the run trains (--epochs, --max_steps): it may grow on resume, which
         # extends the run (see `_extend`); `total_steps` is the length in optimizer steps it gives now.
         self.length, self.total_steps = length, total_steps
-        self._grown: tuple[int, int] | None = None  # (the length the checkpoint's run had, the longer one now)
         self.background = background
         self._pending: BackgroundSave | None = None  # the save being written in the background
         self.on_published: Callable[[int], None] | None = None  # told each completed checkpoint's step (RunStatus)
@@ -166,31 +157,15 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
-        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder) and return the state.
-
-        "auto" continues from the newest complete checkpoint in this output folder, or starts fresh
-        when there is none. "none" starts fresh and refuses a folder that already holds checkpoints,
-        so an earlier run is never overwritten by accident. A run folder (or its `checkpoints/`)
-        stands for its newest complete checkpoint, as "auto" picks it there.
-        """
+        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder: `checkpoint_to_resume`)
+        and return the state; a fresh one where there is nothing to resume."""
         self._check_run_file()
         # Each rank its own streams for dropout and augmentation from here on (init used one for all);
         # a resume then restores the streams the checkpoint saved.
         set_seed(self.seed, device_specific=True)
         for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
-            self._print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
-        existing = self.complete_checkpoints()
-        if resume == "none":
-            if existing:
-                raise UsageError(
-                    f"{self.output_dir} already holds checkpoints of a run (newest: {existing[-1].name}); "
-                    "pass --resume auto to continue it or choose another --output_dir"
-                )
-            path = None
-        elif resume == "auto":
-            path = existing[-1] if existing else None
-        else:
-            path = checkpoint_to_resume(resume)
+            self.accelerator.print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
+        path = checkpoint_to_resume(resume, self.dir)
         # Every rank must load the same checkpoint, whatever its view of the folder.
         chosen = [str(path) if path is not None else None]
         broadcast_object_list(chosen)
@@ -201,20 +176,17 @@ class CheckpointManager:
     def load(self, path: Path) -> TrainingState:
         meta = read_progress(path)
         if meta.get("template") != self.template:
-            raise UsageError(
-                f"checkpoint {path} was written by template {meta.get('template')!r}, not {self.template!r}"
-            )
-        self._check_settings(path, meta)
-        if meta.get("world_size") != self.accelerator.num_processes:
-            self._print(
-                f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), resuming with "
-                f"{self.accelerator.num_processes}: training continues, but not bit-identically"
-            )
-        if meta.get("world_size") == self.accelerator.num_processes:
-            missing = [f"{RNG_PREFIX}{rank}.pkl" for rank in range(self.accelerator.num_processes)
-                       if not (path / f"{RNG_PREFIX}{rank}.pkl").is_file()]
-            if missing:  # accelerate would silently go on without them: a resume that is not exact
-                raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it cannot resume exactly")
+            raise UsageError(f"checkpoint {path} was written by template {meta.get('template')!r}, "
+                             f"not {self.template!r}")
+        grown = check_settings(path, meta.get("config"), self.config, self.may_change, self.length)
+        processes = self.accelerator.num_processes
+        if meta.get("world_size") != processes:
+            self.accelerator.print(f"warning: checkpoint {path} was written by {meta.get('world_size')} process(es), "
+                                   f"resuming with {processes}: training continues, but not bit-identically")
+        elif missing := [f"{RNG_PREFIX}{rank}.pkl" for rank in range(processes)
+                         if not (path / f"{RNG_PREFIX}{rank}.pkl").is_file()]:
+            # accelerate would silently go on without them: a resume that is not exact
+            raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it cannot resume exactly")
         check_pickles(path)  # before accelerate unpickles anything from it
         from torch.distributed.checkpoint.api import CheckpointException  # FSDP's sharded loads raise this
 
@@ -224,35 +196,25 @@ class CheckpointManager:
                 EOFError, CheckpointException) as error:
             if isinstance(error, RuntimeError) and is_rank_lost(error):
                 raise
-            raise UsageError(f"checkpoint {path} does not fit this model and optimizer: {_reason(error)}") from None
-        fields = {f.name for f in dataclasses.fields(TrainingState)}
-        state = TrainingState(**{k: v for k, v in meta.items() if k in fields})
-        self._print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
-        if self._grown is not None:
-            self._extend(state.step)
+            raise UsageError(f"checkpoint {path} does not fit this model and optimizer: "
+                             f"{checkpoint_reason(error)}") from None
+        state = TrainingState.from_record(meta)
+        self.accelerator.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, "
+                               f"batch {state.batches_in_epoch})")
+        if grown is not None:
+            self._extend(state.step, *grown)
         return state
 
-    def _extend(self, step: int) -> None:
-        """The run trains longer than its checkpoint's settings said: from `step` on, each LambdaLR schedule (the
-        templates' warmup + cosine) is the one of the new length, which the scheduler now holds (a function is not
-        saved with its state), so only the learning rate restored for the next step is set from it here. The
-        steps before are the old run's, unchanged; a later resume with the new length restores this one's."""
-        before, after = self._grown
-        changes = []
-        for scheduler in self.accelerator._schedulers:
-            inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the torch scheduler
-            if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):
-                continue
-            new = [base * factor(inner.last_epoch) for base, factor in zip(inner.base_lrs, inner.lr_lambdas)]
-            for group, lr in zip(inner.optimizer.param_groups, new):
-                changes.append((group["lr"], lr))
-                group["lr"] = lr
-            inner._last_lr = new
+    def _extend(self, step: int, before: int, after: int) -> None:
+        """The run trains longer than its checkpoint's settings said: from `step` on, the learning rate follows the
+        new length's schedule. The steps before are the old run's, unchanged; a later resume with the new length
+        restores this one's."""
+        changes = follow_new_schedule(self.accelerator._schedulers)
         steps = (f" ({self.total_steps * before // after} to {self.total_steps} optimizer steps)"
                  if self.total_steps else "")
         lr = (f"; the learning rate at step {step} changes from {changes[0][0]:.6g} to {changes[0][1]:.6g} "
               "(the warmup and cosine of the new length from here on)" if changes else "")
-        self._print(f"extending the run from --{self.length} {before} to {after}{steps}{lr}")
+        self.accelerator.print(f"extending the run from --{self.length} {before} to {after}{steps}{lr}")
 
     # ------------------------------------------------------------------------------------- save
     def save(self, state: TrainingState, metric: float | None = None, *, wait: bool = False) -> Path:
@@ -284,19 +246,11 @@ class CheckpointManager:
         """
         if self._pending is not None and self._pending.failed_somewhere:
             self.wait()
-        if not (self.every_steps and state.step % self.every_steps == 0):
-            return None
-        name = f"step_{state.step:08d}"
-        if not self._saved(name):
-            self._checkpoint(state, [name])
-        return self.dir / name
+        return self.save(state) if self.every_steps and state.step % self.every_steps == 0 else None
 
-    def wait(self) -> None:
+    def wait(self, raise_error: bool = True) -> None:
         """Until the checkpoint being written in the background is published (call it before the export);
         a SaveError on every rank if its write failed on any. Without a save in flight it returns at once."""
-        self._finish_pending()
-
-    def _finish_pending(self, raise_error: bool = True) -> None:
         job, self._pending = self._pending, None
         if job is not None:
             job.finish(raise_error)
@@ -319,15 +273,12 @@ class CheckpointManager:
         return state.best_step
 
     def is_better(self, value: float, state: TrainingState) -> bool:
-        if not math.isfinite(value):
-            return False
-        if state.best_metric is None:
-            return True
-        return value > state.best_metric if self.mode == "max" else value < state.best_metric
+        best = state.best_metric
+        return math.isfinite(value) and (best is None or (value > best if self.mode == "max" else value < best))
 
     def kept(self) -> str:
         """For an error message: the newest complete checkpoint (a resume starts there), or that there is none."""
-        self._finish_pending(raise_error=False)  # a save in flight first: the message names what a resume finds
+        self.wait(raise_error=False)  # a save in flight first: the message names what a resume finds
         existing = self.complete_checkpoints()
         return f"the last good checkpoint is kept: {existing[-1]}" if existing else "no checkpoint was saved yet"
 
@@ -343,27 +294,56 @@ class CheckpointManager:
     def _checkpoint(self, state: TrainingState, names: list[str]) -> None:
         """Save `state` under `names` (the first is written, the others share its files), now or in the background."""
         self.wait()  # one save at a time; a failure of the previous one ends the run here
-        meta = {name: float(value) if isinstance(value, torch.Tensor) else value  # the loss sum: exact in a float
-                for name, value in vars(state).items()} | {
-            "template": self.template,
-            "world_size": self.accelerator.num_processes,
-            "metric": self.metric,
-            "mode": self.mode,
-            "config": self.config,  # what the resume compares its own settings with
-        }
+        meta = state.record() | {"template": self.template, "world_size": self.accelerator.num_processes,
+                                 "metric": self.metric, "mode": self.mode,
+                                 "config": self.config}  # what the resume compares its own settings with
         if self.background and (unsupported := cannot_mirror(self.accelerator)):
-            self._print(f"checkpoints are written at the step, not in the background: {unsupported}")
+            self.accelerator.print(f"checkpoints are written at the step, not in the background: {unsupported}")
             self.background = False  # said once: from here on this run saves at the step
         if not self.background:
-            self._write_all(names, meta, None, None)
+            self._write(names, meta, None, None)
             return
         snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}", self._host_copy)
-        self._pending = BackgroundSave(names, self._write_all, (names, meta, snapshot, self._group))
+        self._pending = BackgroundSave(names, self._write, (names, meta, snapshot, self._group))
 
-    def _write_all(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
+    def _write(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
+        """Write the state under each of `names` on every rank, then keep the newest `keep_last` periodic checkpoints
+        and the best.
+
+        Each name is written under a `.tmp-` name and published in three phases, public so that the tests and
+        tests/fault_inject.py hook them (a kill, a full disk, a slow write at each): `start_folder`, `write_state`
+        and `publish`. Each ends with every rank learning whether any rank failed (a full disk, say), so a failure
+        on one rank ends the save on all of them at once instead of at --timeout_s.
+        """
+        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
+
+        main = self.accelerator.is_main_process
         for i, name in enumerate(names):
-            self._write(name, meta, snapshot if i == 0 else None, group)
-        if self.accelerator.is_main_process:  # the newest `keep_last` periodic checkpoints and the best are kept
+            final, tmp = self.dir / name, self.dir / f".tmp-{name}"
+            # Decided on the main process and shared, so all ranks agree on whether to write the state.
+            twin = [_checkpoint_of_same_step(self.dir, meta["step"], exclude=name) if main else None]
+            if self.accelerator.num_processes > 1 and dist.is_initialized():
+                dist.broadcast_object_list(twin, src=0, group=group)
+            twin = twin[0]
+            phases = ((main, self.start_folder, (tmp, twin)),  # a twin's files are linked, not written again
+                      (twin is None, self.write_state, (tmp, snapshot if i == 0 else None, group)),
+                      (main, self.publish, (tmp, final, meta, twin)))
+            for runs_here, phase, args in phases:
+                failure = None
+                try:
+                    if runs_here:
+                        phase(*args)
+                except (OSError, CheckpointException) as error:
+                    if lost := [e for e in inner_errors(error) if is_rank_lost(e)]:
+                        raise lost[0] from None
+                    failure = checkpoint_reason(error)
+                if (failure := _any_failure(failure, group)) is not None:
+                    kept = [p.name for p in self.complete_checkpoints()]
+                    previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
+                                else "no earlier checkpoint exists")
+                    raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
+                                    f"and the incomplete {tmp.name} is ignored on resume")
+        if main:  # the newest `keep_last` periodic checkpoints and the best are kept
             done = self.complete_checkpoints()
             periodic = [p for p in done if p.name.startswith("step_")]
             best = [p for p in done if p.name.startswith("best_step_")]
@@ -371,49 +351,11 @@ class CheckpointManager:
                 try:
                     _remove_checkpoint(old)
                 except OSError as error:  # the new checkpoint is complete: only space is lost
-                    self._print(f"warning: could not delete the old checkpoint {old}: {_reason(error)}")
+                    self.accelerator.print(f"warning: could not delete the old checkpoint {old}: "
+                                           f"{checkpoint_reason(error)}")
             if self.on_published is not None:
                 self.on_published(meta["step"])
-        self._any_failure(None, group)  # the others wait until the folder is as it will stay
-
-    def _write(self, name: str, meta: dict, snapshot: Snapshot | None, group) -> Path:
-        """Write the whole state under a `.tmp-` name on every rank, then publish it as `name`.
-
-        Three named phases, public so that the tests and tests/fault_inject.py hook them (a kill, a full disk, a
-        slow write at each): `start_folder`, `write_state` and `publish`. Each ends with every rank learning
-        whether any rank failed (a full disk, say), so a failure on one rank ends the save on all of them
-        at once instead of at --timeout_s.
-        """
-        from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
-
-        final, tmp = self.dir / name, self.dir / f".tmp-{name}"
-        # Decided on the main process and shared, so all ranks agree on whether to write the state.
-        twin = [self._checkpoint_of_same_step(meta["step"], exclude=name) if self.accelerator.is_main_process
-                else None]
-        if self.accelerator.num_processes > 1 and dist.is_initialized():
-            dist.broadcast_object_list(twin, src=0, group=group)
-        twin = twin[0]
-        main = self.accelerator.is_main_process
-        phases = ((main, self.start_folder, (tmp, twin)),
-                  (twin is None, self.write_state, (tmp, snapshot, group)),  # a twin's files are linked instead
-                  (main, self.publish, (tmp, final, meta, twin)))
-        for runs_here, phase, args in phases:
-            failure = None
-            try:
-                if runs_here:
-                    phase(*args)
-            except (OSError, CheckpointException) as error:
-                if isinstance(error, CheckpointException) and any(is_rank_lost(e) for e in _wrapped(error)):
-                    raise next(e for e in _wrapped(error) if is_rank_lost(e)) from None
-                failure = _reason(error)
-            failure = self._any_failure(failure, group)
-            if failure is not None:
-                kept = [p.name for p in self.complete_checkpoints()]
-                previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
-                            else "no earlier checkpoint exists")
-                raise SaveError(f"saving checkpoint {final} failed: {failure}; {previous}, "
-                                f"and the incomplete {tmp.name} is ignored on resume")
-        return final
+        _any_failure(None, group)  # the others wait until the folder is as it will stay
 
     def start_folder(self, tmp: Path, twin: Path | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -441,47 +383,6 @@ class CheckpointManager:
         os.replace(tmp, final)
         _fsync_dir(self.dir)
 
-    def _check_settings(self, path: Path, meta: dict) -> None:
-        """Refuse a checkpoint of a run with other settings: resuming it would continue another run
-        under this run's name (a sweep trial reporting a previous trial's result as its own)."""
-        saved = meta.get("config")
-        if not isinstance(saved, dict):
-            return
-        now = json.loads(json.dumps(self.config))  # as it would read back from JSON: lists, floats
-        differ = [name for name in sorted(saved.keys() | now.keys())
-                  if name not in self.may_change and saved.get(name, _ABSENT) != now.get(name, _ABSENT)]
-        before, after = saved.get(self.length), now.get(self.length)
-        self._grown = None
-        if self.length in differ and type(before) is int and type(after) is int and after > before:
-            differ.remove(self.length)  # a longer run: extended (only the schedule changes, see `_extend`)
-            self._grown = (before, after)
-        if not differ:
-            return
-        shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
-                          for name in differ[:4])
-        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
-        grows = f", and --{self.length} may grow" if self.length else ""
-        raise UsageError(
-            f"checkpoint {path} belongs to a run with other settings: {shown}{more}. A run resumes only with its "
-            f"own settings (only {', '.join('--' + n for n in sorted(self.may_change))} may change{grows}); "
-            "for a new run choose another --output_dir, or --resume none with an empty one"
-        )
-
-    def _any_failure(self, failure: str | None, group=None) -> str | None:
-        """The first failure any rank reports (None if none): one small collective that replaces a barrier."""
-        if self.accelerator.num_processes == 1 or not dist.is_initialized():
-            return failure
-        failures: list[str | None] = [None] * self.accelerator.num_processes
-        dist.all_gather_object(failures, failure, group=group)
-        return next((f"{f} (on rank {rank})" for rank, f in enumerate(failures) if f), None)
-
-    def _checkpoint_of_same_step(self, step: int, exclude: str) -> Path | None:
-        for path in self.complete_checkpoints():
-            match = _NAME.match(path.name)
-            if int(match.group(2)) == step and path.name != exclude:
-                return path
-        return None
-
     # ------------------------------------------------------------------------------ run folder
     def _check_run_file(self) -> None:
         run_file = self.output_dir / RUN_FILE
@@ -503,41 +404,45 @@ class CheckpointManager:
             _write_json(self.output_dir / RUN_FILE, run | ({"model": self.model_info} if self.model_info else {}))
         self.accelerator.wait_for_everyone()
 
-    def _print(self, message: str) -> None:
-        self.accelerator.print(message)
 
-
+# ---------------------------------------------------------------------------------- what a resume refuses
 _ABSENT = object()
+
+
+def check_settings(path: Path, saved: dict | None, now: dict, may_change: frozenset[str],
+                   length: str | None) -> tuple[int, int] | None:
+    """Refuse a checkpoint of a run with other settings: resuming it would continue another run under this run's
+    name (a sweep trial reporting a previous trial's result as its own). Only the options in `may_change` may
+    differ, and `length` (--epochs, --max_steps) may grow, which extends the run: then (its length there, the
+    longer one now) is returned."""
+    if not isinstance(saved, dict):
+        return None
+    now = json.loads(json.dumps(now))  # as it would read back from JSON: lists, floats
+    differ = [name for name in sorted(saved.keys() | now.keys())
+              if name not in may_change and saved.get(name, _ABSENT) != now.get(name, _ABSENT)]
+    before, after = saved.get(length), now.get(length)
+    grown = None
+    if length in differ and type(before) is int and type(after) is int and after > before:
+        differ.remove(length)  # a longer run: extended (only the schedule changes, see `CheckpointManager._extend`)
+        grown = (before, after)
+    if not differ:
+        return grown
+    shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
+                      for name in differ[:4])
+    more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+    grows = f", and --{length} may grow" if length else ""
+    raise UsageError(
+        f"checkpoint {path} belongs to a run with other settings: {shown}{more}. A run resumes only with its "
+        f"own settings (only {', '.join('--' + n for n in sorted(may_change))} may change{grows}); "
+        "for a new run choose another --output_dir, or --resume none with an empty one"
+    )
 
 
 def _shown(value) -> str:
     return "(not set)" if value is _ABSENT else json.dumps(value)
 
 
-def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> None:
-    """Refuse an output folder that is a file, or that cannot be created or written, before anything is written.
-
-    It only looks (os.access, no probe file), so a refused command leaves no trace. Root may write
-    whatever the permission bits say; what even root cannot write (a read-only file system, /proc/1)
-    is refused all the same.
-    """
-    target = existing = Path(path)
-    try:
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent  # the nearest folder that exists: the new ones are made in it
-        is_dir = existing.is_dir()
-    except OSError as error:
-        raise UsageError(f"{option} {path}: cannot look at it ({error.strerror})") from None
-    if existing == target and not is_dir:
-        raise UsageError(f"{option} {path} is a file, not a folder")
-    if existing == target and not os.access(target, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {path}: this folder is not writable")
-    if not is_dir:
-        raise UsageError(f"{option} {path} cannot be created: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {path} cannot be created: {existing} is not writable")
-
-
+# ------------------------------------------------------------------------------------ the folders
 def complete_checkpoints(folder: Path) -> list[Path]:
     """The checkpoints in a `checkpoints/` folder that finished saving, oldest first (periodic before best at
     the same step): the last is the one `--resume auto` continues from."""
@@ -551,9 +456,27 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return [path for _, _, path in sorted(found)]
 
 
-def checkpoint_to_resume(resume: str) -> Path:
-    """The checkpoint `--resume PATH` names: a checkpoint folder, or a run folder (or its `checkpoints/`),
-    which stands for its newest complete checkpoint."""
+def _checkpoint_of_same_step(folder: Path, step: int, exclude: str) -> Path | None:
+    for path in complete_checkpoints(folder):
+        if int(_NAME.match(path.name).group(2)) == step and path.name != exclude:
+            return path
+    return None
+
+
+def checkpoint_to_resume(resume: str, folder: Path) -> Path | None:
+    """The checkpoint `--resume` names (None: start fresh), for a run whose checkpoints go to `folder`.
+
+    "auto" continues from the newest complete checkpoint in `folder`, or starts fresh when there is none.
+    "none" starts fresh and refuses a folder that already holds checkpoints, so an earlier run is never
+    overwritten by accident. A run folder (or its `checkpoints/`) stands for its newest complete checkpoint,
+    as "auto" picks it there.
+    """
+    existing = complete_checkpoints(folder)
+    if resume == "none" and existing:
+        raise UsageError(f"{folder.parent} already holds checkpoints of a run (newest: {existing[-1].name}); "
+                         "pass --resume auto to continue it or choose another --output_dir")
+    if resume in ("none", "auto"):
+        return existing[-1] if existing else None
     path = Path(resume)
     if not path.is_dir():
         raise UsageError(f"--resume {resume}: no such checkpoint or run folder")
@@ -576,37 +499,13 @@ def read_progress(path: Path) -> dict:
     return meta
 
 
-# -------------------------------------------------------------------------------------- pickles
-RNG_PREFIX = "random_states_"
-def _wrapped(error: BaseException) -> list[BaseException]:
-    """The exceptions inside a torch.distributed.checkpoint CheckpointException (one per failed rank)."""
-    failures = getattr(error, "failures", None) or {}
-    return [getattr(f, "exc", f) for f in failures.values() if isinstance(getattr(f, "exc", f), BaseException)]
-
-
-def _reason(error: BaseException) -> str:
-    """One line saying what went wrong, also for the errors torch.distributed.checkpoint wraps."""
-    inner = _wrapped(error)
-    error = inner[0] if inner else error
-    if isinstance(error, RuntimeError) and str(error).startswith("Error(s) in loading state_dict"):
-        return _state_dict_mismatch(str(error))
-    return one_line(error)
-
-
-_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[(.*?)\]\) from "
-                            r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)")
-
-
-def _state_dict_mismatch(text: str, shown: int = 2) -> str:
-    """torch's load_state_dict complaint (a line per problem) as one line: the first few keys (and shapes) of each."""
-    sizes = [f"size mismatch for {m[1]}: checkpoint ({m[2]}), model ({m[3]})" for m in _SIZE_MISMATCH.finditer(text)]
-    parts = sizes[:shown] + ([f"{len(sizes) - shown} more size mismatches"] if len(sizes) > shown else [])
-    for kind, what in (("Missing", "model keys not in the checkpoint"), ("Unexpected", "keys the model lacks")):
-        line = re.search(rf"{kind} key\(s\) in state_dict: (.*)", text)
-        names = re.findall(r'"([^"]+)"', line[1]) if line else []
-        more = f" and {len(names) - shown} more" if len(names) > shown else ""
-        parts += [f"{what}: {', '.join(names[:shown])}{more}"] if names else []
-    return "; ".join(parts) or text.splitlines()[0]
+def _any_failure(failure: str | None, group=None) -> str | None:
+    """The first failure any rank reports (None if none): one small collective that replaces a barrier."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return failure
+    failures: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, failure, group=group)
+    return next((f"{f} (on rank {rank})" for rank, f in enumerate(failures) if f), None)
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -77,6 +77,37 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def inner_errors(error: BaseException) -> list[BaseException]:
+    """The exceptions inside a torch.distributed.checkpoint CheckpointException (one per failed rank)."""
+    failures = getattr(error, "failures", None) or {}
+    return [getattr(f, "exc", f) for f in failures.values() if isinstance(getattr(f, "exc", f), BaseException)]
+
+
+def checkpoint_reason(error: BaseException) -> str:
+    """One line saying why a checkpoint save or load failed, also for the errors torch.distributed.checkpoint wraps."""
+    inner = inner_errors(error)
+    error = inner[0] if inner else error
+    if isinstance(error, RuntimeError) and str(error).startswith("Error(s) in loading state_dict"):
+        return _state_dict_mismatch(str(error))
+    return one_line(error)
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[(.*?)\]\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)")
+
+
+def _state_dict_mismatch(text: str, shown: int = 2) -> str:
+    """torch's load_state_dict complaint (a line per problem) as one line: the first few keys (and shapes) of each."""
+    sizes = [f"size mismatch for {m[1]}: checkpoint ({m[2]}), model ({m[3]})" for m in _SIZE_MISMATCH.finditer(text)]
+    parts = sizes[:shown] + ([f"{len(sizes) - shown} more size mismatches"] if len(sizes) > shown else [])
+    for kind, what in (("Missing", "model keys not in the checkpoint"), ("Unexpected", "keys the model lacks")):
+        line = re.search(rf"{kind} key\(s\) in state_dict: (.*)", text)
+        names = re.findall(r'"([^"]+)"', line[1]) if line else []
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        parts += [f"{what}: {', '.join(names[:shown])}{more}"] if names else []
+    return "; ".join(parts) or text.splitlines()[0]
+
+
 def is_first_local_process() -> bool:
     """True on local rank 0 (or when not launched distributed), so a message prints once per machine."""
     return os.environ.get("LOCAL_RANK", "0") == "0"

@@ -95,3 +95,21 @@ def warmup_cosine(
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * state))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def follow_new_schedule(schedulers: list) -> list[tuple[float, float]]:
+    """Set each LambdaLR's learning rate (the templates' warmup + cosine) to what its schedule gives at its current
+    step; returns each parameter group's (old, new) rate. A resume that extends the run needs it: the scheduler holds
+    the new length's schedule (a function is not saved with its state), the rate restored for the next step is the
+    old length's. `schedulers` may be accelerate's wrappers."""
+    changes = []
+    for scheduler in schedulers:
+        inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the torch scheduler
+        if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):
+            continue
+        new = [base * factor(inner.last_epoch) for base, factor in zip(inner.base_lrs, inner.lr_lambdas)]
+        for group, lr in zip(inner.optimizer.param_groups, new):
+            changes.append((group["lr"], lr))
+            group["lr"] = lr
+        inner._last_lr = new
+    return changes

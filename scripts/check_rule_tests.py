@@ -45,7 +45,7 @@ TA = "tests/test_accelerator.py::"
 IMAGE, LM, FT = "templates/image_classification.py", "templates/language_model.py", "templates/finetune_causal_lm.py"
 DATA, CHECKPOINT, TRACKING = "common/data.py", "common/checkpoint.py", "common/tracking.py"
 ACCELERATOR, BACKGROUND, EXPORT = "common/accelerator.py", "common/background_save.py", "common/export.py"
-ERRORS = "common/errors.py"
+ERRORS, OPTIM = "common/errors.py", "common/optim.py"
 
 EPOCH_ORDER = TR + "test_each_epoch_has_the_shuffle_that_seed_and_epoch_fix_also_after_a_resume[{}]"
 VAL_ORDER = TR + "test_every_evaluation_sees_each_validation_sample_once_in_order[{}]"
@@ -240,8 +240,8 @@ MUTATIONS = [
              "skip = state.batches_in_epoch  #", "skip = 0  #",
              tests=RESUMED.format(image)),
     mutation("state-not-restored", "checkpoints: whole state (step, epoch, data position, best)", CHECKPOINT,
-             "state = TrainingState(**{k: v for k, v in meta.items() if k in fields})",
-             'state = TrainingState(step=meta["step"], best_metric=meta.get("best_metric"))',
+             "return cls(**{k: v for k, v in meta.items() if k in fields})",  # TrainingState.from_record
+             'return cls(step=meta["step"], best_metric=meta.get("best_metric"))',
              tests=RESUMED.format(lm)),
     mutation("keep-last-off-by-one", "checkpoints: keep-last-K", CHECKPOINT,
              "for old in periodic[: -self.keep_last] + best[:-1]:",
@@ -278,8 +278,8 @@ MUTATIONS = [
              "    (path / PROGRESS_FILE).unlink(missing_ok=True)\n    _fsync_dir(path)\n    shutil.rmtree(path)",
              "    shutil.rmtree(path)",
              tests=(TC + "test_a_deletion_cut_short_leaves_no_folder_that_looks_complete", KILLS)),
-    mutation("extended-run-keeps-the-old-schedule", "checkpoints: a longer run follows its new schedule", CHECKPOINT,
-             '                group["lr"] = lr\n', "",
+    mutation("extended-run-keeps-the-old-schedule", "checkpoints: a longer run follows its new schedule", OPTIM,
+             '            group["lr"] = lr\n', "",  # follow_new_schedule
              tests=TC + "test_a_longer_run_extends_its_checkpoint_with_the_schedule_of_the_new_length"),
     mutation("status-step-not-moved-by-checkpoints", "status.json: a running run's step is its last checkpoint",
              CHECKPOINT, '                self.on_published(meta["step"])\n', "                pass\n",
@@ -298,7 +298,7 @@ MUTATIONS = [
              "may_change=may_change_on_resume(type(cfg))", "may_change=may_change_on_resume(RunOptions)",
              tests=OTHER_SETTINGS.format(lm)),
     mutation("other-settings-not-refused", "checkpoints: a run resumes only itself", CHECKPOINT,
-             "        if not differ:\n            return\n", "        return\n",
+             "    if not differ:\n        return grown\n", "    return grown\n",  # check_settings
              tests=OTHER_SETTINGS.format(image)),
     # --- distributed
     mutation("gather-instead-of-gather-for-metrics", "distributed: gather_for_metrics", IMAGE,
