@@ -58,7 +58,7 @@ def other_values(base, field: dataclasses.Field) -> list:
     elif kind is float:
         candidates = [value * 2, value / 2, value + 0.5, (value + 1) / 2]
     elif kind is str:
-        candidates = ["other" if value is None else f"{value}-other"]
+        candidates = ["other" if value is None else f"{value}-other", "none"]  # "none": a choice such as --tracker
     else:  # a list
         candidates = [[*value, "other"]]
     valid = []
