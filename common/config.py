@@ -116,7 +116,8 @@ class RunOptions:
     log_every_steps: int = option(10, "Log the training loss every N optimizer steps.", "[1, inf)", may_change=True)
     tracker: str = option("wandb", "wandb (offline without credentials), tensorboard, mlflow, trackio, several "
                           "comma-separated (tensorboard,mlflow), or none.", may_change=True)
-    wandb_project: str = option("training-template", "W&B project name.", may_change=True)
+    wandb_project: str = option("training-template",
+                                "The run's W&B project, MLflow experiment and trackio project.", may_change=True)
     timeout_s: int = option(600, "Seconds a rank waits for the others before the job fails.", "[1, 604800]",
                             may_change=True)
     mixed_precision: str = option("auto", "auto (bf16 > fp16 > none, by hardware), no, bf16, fp16.",

@@ -106,7 +106,8 @@ class Config(OptimOptions, RunOptions):
     num_workers: int = option(0, "Loader workers per process (tokenized data is in memory: 0 is fine).", "[0, 128]",
                               may_change=True)
     output_dir: str = option("runs/finetune_causal_lm", "Checkpoints, metrics, status.json and the export go here.")
-    wandb_project: str = option("finetune-causal-lm-template", "W&B project name.")
+    wandb_project: str = option("finetune-causal-lm-template",
+                                "The run's W&B project, MLflow experiment and trackio project.")
 
 
 # ----------------------------------------------------------------------------------------- data

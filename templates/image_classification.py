@@ -66,7 +66,8 @@ class Config(OptimOptions, RunOptions):
     hflip: bool = option(False, "Also flip training images left-right (not for digits).")
     num_workers: int = option(-1, "Loader workers per process; -1 picks for the data.", "[-1, 128]", may_change=True)
     output_dir: str = option("runs/image_classification", "Checkpoints, metrics, status.json and the export go here.")
-    wandb_project: str = option("image-classification-template", "W&B project name.")
+    wandb_project: str = option("image-classification-template",
+                                "The run's W&B project, MLflow experiment and trackio project.")
 
 
 # ----------------------------------------------------------------------------------------- data

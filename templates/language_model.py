@@ -82,7 +82,8 @@ class Config(OptimOptions, RunOptions):
                                 may_change=True)
     output_dir: str = option("runs/language_model", "Checkpoints, metrics, status.json and the export go here.")
     log_every_steps: int = option(50, "Log loss, throughput and memory every N optimizer steps.", "[1, inf)")
-    wandb_project: str = option("language-model-template", "W&B project name.")
+    wandb_project: str = option("language-model-template",
+                                "The run's W&B project, MLflow experiment and trackio project.")
 
     def __post_init__(self):
         super().__post_init__()

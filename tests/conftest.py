@@ -62,6 +62,30 @@ def launch(
                           timeout=timeout)
 
 
+CTRL_C_LINE = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
+
+
+def interrupt_like_ctrl_c(cmd: list[str], ready) -> tuple[int, str]:
+    """Start `cmd` in a process group of its own (a terminal's foreground group), wait until `ready(child)` says
+    it is time, send SIGINT to the whole group as a terminal's Ctrl-C does; the exit code and stderr."""
+    child = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        ready(child)
+        os.killpg(child.pid, signal.SIGINT)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    return child.returncode, stderr
+
+
+def accelerate_launch_command(config: str, script: str | Path, *args: str) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<config> script args` as a user types it: the
+    `accelerate` program of this interpreter's environment, which a terminal's Ctrl-C reaches too."""
+    program = shutil.which("accelerate", path=os.path.dirname(sys.executable))
+    return [program, "launch", "--config_file", str(CONFIGS / config), str(script), *args]
+
+
 def processes_mentioning(marker: str) -> list[str]:
     """Live processes (not zombies) whose command line contains `marker`, as 'pid: cmdline'."""
     found = []

@@ -13,10 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,7 +28,15 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, clean_env, launch, load_template
+from conftest import (
+    CTRL_C_LINE,
+    REPO,
+    accelerate_launch_command,
+    clean_env,
+    interrupt_like_ctrl_c,
+    launch,
+    load_template,
+)
 from helpers import snapshot, wandb_history_steps
 
 IMAGE = REPO / "templates" / "image_classification.py"
@@ -365,23 +371,6 @@ def test_help_into_a_reader_that_stopped_early_exits_quietly(program):
     assert child.wait(timeout=120) == 0 and stderr == "", stderr
 
 
-CTRL_C_LINE = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
-
-
-def interrupt_like_ctrl_c(cmd: list[str], ready) -> tuple[int, str]:
-    """Start `cmd` in a process group of its own (a terminal's foreground group), wait until `ready(child)` says
-    it is time, send SIGINT to the whole group as a terminal's Ctrl-C does; the exit code and stderr."""
-    child = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)
-    try:
-        ready(child)
-        os.killpg(child.pid, signal.SIGINT)
-        _, stderr = child.communicate(timeout=120)
-    finally:
-        child.kill()
-    return child.returncode, stderr
-
-
 @pytest.mark.parametrize("program", ["image", "lm"])
 def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
     longer = ["--epochs", "1000"] if program == "image" else ["--max_steps", "100000"]
@@ -417,9 +406,7 @@ def test_ctrl_c_under_accelerate_launch_keeps_the_wandb_history_and_ends_with_th
         assert len(logged) >= 10, "the run logged nothing"
         time.sleep(4)  # the steps in `logged` are now more than a flush interval old
 
-    code, stderr = interrupt_like_ctrl_c(
-        [shutil.which("accelerate", path=os.path.dirname(sys.executable)), "launch",
-         "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"), str(IMAGE), *args], ten_steps_logged)
+    code, stderr = interrupt_like_ctrl_c(accelerate_launch_command("cpu.yaml", IMAGE, *args), ten_steps_logged)
     assert code == 130, stderr[-3000:]
     assert error_lines(stderr) == [CTRL_C_LINE], stderr[-3000:]
     steps = wandb_history_steps(out)

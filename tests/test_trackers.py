@@ -1,11 +1,12 @@
 """--tracker through accelerate's trackers: what each one wrote, read back with its own reader (TensorBoard's
-EventAccumulator, MLflow's client on the local store in the output folder), holds every step of metrics.jsonl once,
-on one process and on two ranks (the main process alone writes), also after a resume from a checkpoint older
-than the last step logged; a template with `--tracker tensorboard,mlflow` runs without wandb importable, and a
+EventAccumulator, MLflow's client on the local store in the output folder, trackio's SQLiteStorage on its store in
+the output folder), holds every step of metrics.jsonl once, on one process and on two ranks (the main process alone
+writes), also after a resume from a checkpoint older than the last step logged, and every step logged before a
+terminal's Ctrl-C; a template with `--tracker tensorboard,mlflow,trackio` runs without wandb importable, and a
 missing tracker package is one error line before anything is written.
 
 W&B's own behaviour (offline, resume id, sweeps, Ctrl-C) is tested in test_tracking.py, test_sweeps.py and
-test_bad_input.py. trackio is left out here: no trackio release installs beside pillow 13 (all pin pillow<13).
+test_bad_input.py.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, launch
+from conftest import CTRL_C_LINE, REPO, accelerate_launch_command, clean_env, interrupt_like_ctrl_c, launch
 
 LM = REPO / "templates" / "language_model.py"
-TRACKERS = "tensorboard,mlflow"
+TRACKERS = "tensorboard,mlflow,trackio"
+PROJECT = "tiny-lm"  # --wandb_project: the MLflow experiment and the trackio project too
+PROGRESS_BAR = re.compile(r"^train:\s+\d+%\|")
 
 
 def tiny_lm(corpus: Path, output: Path, *more: str) -> list[str]:
@@ -30,7 +34,7 @@ def tiny_lm(corpus: Path, output: Path, *more: str) -> list[str]:
     return ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
             "--max_steps", "4", "--eval_every_steps", "2", "--eval_batches", "1", "--sample_tokens", "0",
             "--log_every_steps", "1", "--num_workers", "0", "--data_path", str(corpus), "--tracker", TRACKERS,
-            "--output_dir", str(output), *more]
+            "--wandb_project", PROJECT, "--output_dir", str(output), *more]
 
 
 def without(packages: tuple[str, ...], script: Path, args: list[str]) -> list[str]:
@@ -72,9 +76,45 @@ def mlflow_metrics(output: Path) -> dict[str, list[tuple[int, float]]]:
     client = MlflowClient(f"sqlite:///{output / 'mlflow.db'}")
     runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
     assert [r.info.run_id for r in runs] == [(output / "mlflow_run_id").read_text().strip()]
+    assert client.get_experiment(runs[0].info.experiment_id).name == PROJECT
     return {key: [(m.step, m.value) for m in sorted(client.get_metric_history(runs[0].info.run_id, key),
                                                        key=lambda m: (m.timestamp, m.step))]
             for key in runs[0].data.metrics}
+
+
+# trackio reads TRACKIO_DIR once, when it is imported: its reader runs in a process of its own for each store
+TRACKIO_READER = """
+import json, sys
+from trackio.sqlite_storage import SQLiteStorage
+
+projects = SQLiteStorage.get_projects()
+runs = {project: SQLiteStorage.get_runs(project) for project in projects}
+logs = SQLiteStorage.get_logs(projects[0], runs[projects[0]][0]) if len(projects) == 1 else []
+print(json.dumps({"runs": runs, "logs": logs}, default=str))
+"""
+
+
+def trackio_metrics(output: Path) -> dict[str, list[tuple[int, float]]]:
+    """The one trackio run in the store of `output` (trackio_run_name names it), each metric's (step, value) pairs
+    in the order trackio returns its logs, read by trackio's own store reader (SQLiteStorage)."""
+    result = subprocess.run([sys.executable, "-c", TRACKIO_READER], cwd=REPO, capture_output=True, text=True,
+                            env=clean_env(TRACKIO_DIR=str(output / "trackio")), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    store = json.loads(result.stdout.splitlines()[-1])
+    name = (output / "trackio_run_name").read_text().strip()
+    assert store["runs"] == {PROJECT: [name]}, store["runs"]  # one project, one run: the main's
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in store["logs"]:
+        for key, value in row.items():
+            if key not in ("step", "timestamp"):
+                series.setdefault(key, []).append((row["step"], value))
+    return series
+
+
+def tracker_series(output: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """What each tracker of TRACKERS holds, read back through its own reader."""
+    return {"tensorboard": tensorboard_scalars(output), "mlflow": mlflow_metrics(output),
+            "trackio": trackio_metrics(output)}
 
 
 def assert_every_tracker_holds_metrics_jsonl(output: Path, sessions: int) -> None:
@@ -83,8 +123,7 @@ def assert_every_tracker_holds_metrics_jsonl(output: Path, sessions: int) -> Non
     for key, pairs in expected.items():
         steps = [step for step, _ in pairs]
         assert steps == sorted(set(steps)), (key, steps)  # metrics.jsonl itself: each step once
-    scalars, metrics = tensorboard_scalars(output), mlflow_metrics(output)
-    for name, held in (("tensorboard", scalars), ("mlflow", metrics)):
+    for name, held in tracker_series(output).items():
         assert set(held) == set(expected), (name, sorted(set(held) ^ set(expected)))
         for key, pairs in expected.items():
             assert [step for step, _ in held[key]] == [step for step, _ in pairs], (name, key, held[key])  # once each
@@ -121,6 +160,51 @@ def test_every_tracker_holds_each_step_once_on_one_process_then_two_ranks_resume
     assert [step for step, _ in logged(output)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert_every_tracker_holds_metrics_jsonl(output, sessions=2)  # the main process alone wrote: one file more
     assert re.fullmatch(r"[0-9a-f]{32}\n", (output / "mlflow_run_id").read_text())
+
+
+def steps_so_far(output: Path) -> list[int]:
+    """The steps of the training losses in metrics.jsonl while the run writes it (a line being written is left out)."""
+    steps = []
+    for line in (output / "metrics.jsonl").read_text().splitlines() if (output / "metrics.jsonl").is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "train/loss" in record:
+            steps.append(record["step"])
+    return steps
+
+
+def test_after_ctrl_c_every_tracker_holds_each_step_logged_before_it_and_the_run_ends_with_the_one_line(
+    tmp_path, corpus
+):
+    """A terminal's Ctrl-C reaches `accelerate launch` and the run alike (one process group); the launcher then
+    terminates the run's process tree. The run ends each tracker's run on its way out, so that what a tracker had not
+    yet written (trackio's sender writes every half second) is in its store too: each holds every step of
+    metrics.jsonl. Stderr ends with the one line, and the exit code is the documented 130."""
+    output = tmp_path / "run"
+
+    def ten_steps_logged(child):
+        deadline = time.monotonic() + 120
+        while len(steps_so_far(output)) < 10 and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.1)
+        assert len(steps_so_far(output)) >= 10, "the run logged nothing"
+
+    code, stderr = interrupt_like_ctrl_c(
+        accelerate_launch_command("cpu.yaml", LM, *tiny_lm(corpus, output, "--max_steps", "100000")), ten_steps_logged)
+    assert code == 130, stderr[-3000:]
+    lines = [line for line in re.split(r"[\r\n]+", stderr) if line.strip() and not PROGRESS_BAR.match(line)]
+    assert lines == [CTRL_C_LINE], stderr[-3000:]
+    final = logged(output)
+    last = max(step for pairs in final.values() for step, _ in pairs)
+    for name, held in tracker_series(output).items():
+        assert set(held) <= set(final), (name, sorted(set(held) - set(final)))
+        for key, pairs in final.items():
+            got = held.get(key, [])
+            # the interrupt may fall between the last step's line in metrics.jsonl and the trackers' calls for it
+            want = pairs if len(got) == len(pairs) else [(step, value) for step, value in pairs if step != last]
+            assert [step for step, _ in got] == [step for step, _ in want], (name, key, got[-3:], want[-3:])
+            assert [value for _, value in got] == pytest.approx([value for _, value in want], rel=1e-6), (name, key)
 
 
 def test_the_trackers_are_accelerates_own_and_the_accelerator_finds_them_until_they_end(
