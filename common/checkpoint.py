@@ -261,8 +261,10 @@ class CheckpointManager:
     def restore_best(self, state: TrainingState) -> int:
         """Load the best checkpoint's weights (and the optimizer, scheduler and RNG it holds) into the prepared
         objects, for an export of the best weights at the end of a run; `state` is left as it is. Returns the
-        step of the weights now in the model."""
+        step of the weights now in the model: the last step's where they are the best, or no best was recorded."""
         self.wait()
+        if state.best_step in (None, state.step):
+            return state.step
         self.accelerator.load_state(str(self.dir / f"best_step_{state.best_step:08d}"))
         return state.best_step
 
