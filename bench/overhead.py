@@ -300,7 +300,7 @@ def geometry(name: str, module, argv: list[str]) -> tuple[int, int, int, str]:
 def signal_handlers_skipped():
     """Python installs signal handlers only from the main thread; the template runs in a worker
     thread here, so its preemption handlers (SIGTERM/SIGUSR1) are not installed. Its per-step
-    `stop_requested()` check still runs."""
+    `stop_now()` check still runs."""
     real = signal.signal
 
     def install(signum, handler):

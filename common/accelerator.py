@@ -135,7 +135,8 @@ def under_sweep_agent() -> bool:
 
 
 class PreemptionWatcher:
-    def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+    def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+                 stop_after_steps: int = 0):
         # Not the accelerator itself: the signal handlers keep this object alive to the end of the process,
         # and through the accelerator's model they would keep the process group from ever being freed
         # (common.accelerator.release_process_group).
@@ -144,6 +145,8 @@ class PreemptionWatcher:
         self.received: int | None = None
         self.stop_agreed = False  # the last `stop_requested()` answer: the ranks stop for a signal (`end_run`)
         self._agreed: int | None = None  # the stop flag check_step agreed on, for the next stop_requested()
+        self.stop_after_steps = stop_after_steps  # --stop_after_steps: this session's optimizer steps (0: no limit)
+        self.session_steps = 0  # optimizer steps of this session: the calls of check_step
         for signum in signals:
             signal.signal(signum, self._on_signal)
 
@@ -161,7 +164,9 @@ class PreemptionWatcher:
         that follows at this step answers from it without another collective, and a failed background save
         is raised by the checkpoint manager's `save_if_due` at this step, on every rank alike. The manager is
         passed at each call, not kept: the signal handlers keep this watcher alive to the end of the process.
+        Each call counts one optimizer step of the session (for `stop_now`).
         """
+        self.session_steps += 1
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
         flags = torch.zeros(3, dtype=torch.int32, device=self.device)  # filled on the device: no host copy
@@ -192,6 +197,11 @@ class PreemptionWatcher:
             self.received = next(signum for signum, rank in _RANK.items() if rank == local)
         self.stop_agreed = bool(local)
         return self.stop_agreed
+
+    def stop_now(self) -> bool:
+        """Whether the run stops at this step, on every rank alike: a stop signal any rank received (`stop_requested`),
+        or --stop_after_steps optimizer steps taken in this session. Call it once per optimizer step, after the step."""
+        return self.stop_requested() or self.session_steps == self.stop_after_steps
 
     @property
     def requeue(self) -> bool:
@@ -270,7 +280,8 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
                                     gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     timeout_s=cfg.timeout_s)
     accelerator.print(describe(accelerator))
-    preemption = PreemptionWatcher(accelerator)  # SIGTERM / SIGUSR1: checkpoint at the next step, then exit
+    # SIGTERM / SIGUSR1 (or --stop_after_steps): checkpoint at the next step, then exit
+    preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps)
     set_seed(cfg.seed)
     return accelerator, preemption
 

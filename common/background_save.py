@@ -17,11 +17,13 @@ import random
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard
 from accelerate.state import PartialState
@@ -103,6 +105,14 @@ def cannot_mirror(accelerator: Accelerator) -> str:
            for loader in accelerator._dataloaders):
         return "a data loader whose position accelerate saves"
     return ""
+
+
+def writer_group(accelerator: Accelerator, timeout_s: float):
+    """The background writer's own process group (None on one process): its collectives (agreeing on failures, FSDP's
+    sharded writes) run while training's run, and two threads sharing one gloo group mix up each other's messages."""
+    if accelerator.num_processes > 1 and dist.is_initialized():
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return None
 
 
 def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy) -> Snapshot:

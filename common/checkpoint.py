@@ -32,20 +32,18 @@ import pickle
 import re
 import shutil
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from safetensors import SafetensorError
 
 from common.config import RunOptions, config_to_dict, may_change_on_resume
-from common.background_save import BackgroundSave, HostCopy, Snapshot, cannot_mirror, snapshot_state
+from common.background_save import BackgroundSave, HostCopy, Snapshot, cannot_mirror, snapshot_state, writer_group
 from common.errors import SaveError, UsageError, checkpoint_reason, inner_errors, is_rank_lost
-from common.export import fsync_file, fsync_tree
+from common.export import any_failure, from_main_process, fsync_file, fsync_tree, write_json
 from common.optim import follow_new_schedule
 from common.pickle_allowlist import check_pickles
 
@@ -137,11 +135,7 @@ class CheckpointManager:
         self._pending: BackgroundSave | None = None  # the save being written in the background
         self.on_published: Callable[[int], None] | None = None  # told each completed checkpoint's step (RunStatus)
         self._host_copy = HostCopy(pin_memory=accelerator.device.type == "cuda")
-        self._group = None
-        if background and accelerator.num_processes > 1 and dist.is_initialized():
-            # The background writer's own group: its collectives (agreeing on failures, FSDP's sharded writes)
-            # run while training's run, and two threads sharing one gloo group mix up each other's messages.
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._group = writer_group(accelerator, timeout_s) if background else None
 
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, *, template: str, metric: str, mode: str,
@@ -267,8 +261,10 @@ class CheckpointManager:
     def restore_best(self, state: TrainingState) -> int:
         """Load the best checkpoint's weights (and the optimizer, scheduler and RNG it holds) into the prepared
         objects, for an export of the best weights at the end of a run; `state` is left as it is. Returns the
-        step of the weights now in the model."""
+        step of the weights now in the model: the last step's where they are the best, or no best was recorded."""
         self.wait()
+        if state.best_step in (None, state.step):
+            return state.step
         self.accelerator.load_state(str(self.dir / f"best_step_{state.best_step:08d}"))
         return state.best_step
 
@@ -321,10 +317,8 @@ class CheckpointManager:
         for i, name in enumerate(names):
             final, tmp = self.dir / name, self.dir / f".tmp-{name}"
             # Decided on the main process and shared, so all ranks agree on whether to write the state.
-            twin = [_checkpoint_of_same_step(self.dir, meta["step"], exclude=name) if main else None]
-            if self.accelerator.num_processes > 1 and dist.is_initialized():
-                dist.broadcast_object_list(twin, src=0, group=group)
-            twin = twin[0]
+            twin = from_main_process(_checkpoint_of_same_step(self.dir, meta["step"], exclude=name) if main else None,
+                                     group)
             phases = ((main, self.start_folder, (tmp, twin)),  # a twin's files are linked, not written again
                       (twin is None, self.write_state, (tmp, snapshot if i == 0 else None, group)),
                       (main, self.publish, (tmp, final, meta, twin)))
@@ -337,7 +331,7 @@ class CheckpointManager:
                     if lost := [e for e in inner_errors(error) if is_rank_lost(e)]:
                         raise lost[0] from None
                     failure = checkpoint_reason(error)
-                if (failure := _any_failure(failure, group)) is not None:
+                if (failure := any_failure(failure, group)) is not None:
                     kept = [p.name for p in self.complete_checkpoints()]
                     previous = (f"the previous checkpoints are intact (newest: {kept[-1]})" if kept
                                 else "no earlier checkpoint exists")
@@ -355,7 +349,7 @@ class CheckpointManager:
                                            f"{checkpoint_reason(error)}")
             if self.on_published is not None:
                 self.on_published(meta["step"])
-        _any_failure(None, group)  # the others wait until the folder is as it will stay
+        any_failure(None, group)  # the others wait until the folder is as it will stay
 
     def start_folder(self, tmp: Path, twin: Path | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -375,13 +369,13 @@ class CheckpointManager:
 
     def publish(self, tmp: Path, final: Path, meta: dict, twin: Path | None) -> None:
         """`progress.json` last, everything synced, then one rename: a folder with a final name is complete."""
-        _write_json(tmp / PROGRESS_FILE, meta)
+        write_json(tmp / PROGRESS_FILE, meta)
         # Linked files are the twin's, already synced when it was saved; their folders are new.
         fsync_tree(tmp, files=twin is None)
         if final.exists():
             _remove_checkpoint(final)
         os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        fsync_file(self.dir)
 
     # ------------------------------------------------------------------------------ run folder
     def _check_run_file(self) -> None:
@@ -401,7 +395,7 @@ class CheckpointManager:
         if self.accelerator.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             run = {"template": self.template, "config": self.config}
-            _write_json(self.output_dir / RUN_FILE, run | ({"model": self.model_info} if self.model_info else {}))
+            write_json(self.output_dir / RUN_FILE, run | ({"model": self.model_info} if self.model_info else {}))
         self.accelerator.wait_for_everyone()
 
 
@@ -499,29 +493,8 @@ def read_progress(path: Path) -> dict:
     return meta
 
 
-def _any_failure(failure: str | None, group=None) -> str | None:
-    """The first failure any rank reports (None if none): one small collective that replaces a barrier."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return failure
-    failures: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(failures, failure, group=group)
-    return next((f"{f} (on rank {rank})" for rank, f in enumerate(failures) if f), None)
-
-
 def _remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint so that a kill part-way never leaves a folder that looks complete."""
     (path / PROGRESS_FILE).unlink(missing_ok=True)
-    _fsync_dir(path)
-    shutil.rmtree(path)
-
-
-# ----------------------------------------------------------------------------------- durability
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
     fsync_file(path)
+    shutil.rmtree(path)

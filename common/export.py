@@ -5,7 +5,8 @@ imports nothing else at import, so it can be copied into an inference service be
 one takes the run's Accelerator as an argument (`export_weights`, `publish_export`) and uses it by its methods.
 A Hugging Face model's export is a folder (`export_pretrained`: `save_pretrained` and its tokenizer, loaded with
 transformers or peft); it is published with `publish_export` too: written under a `.tmp-` name, synced, renamed over
-the previous one by the main process, and every rank learns whether it worked.
+the previous one by the main process, and every rank learns whether it worked. The checkpoints are published with
+the same durability helpers (below: `fsync_tree`, `write_json`, `any_failure`).
 """
 
 from __future__ import annotations
@@ -196,7 +197,33 @@ def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
     model.load_state_dict(tensors)
 
 
-# ----------------------------------------------------------------------------------- durability
+# ------------------------------------------------------------- durability, and what every rank learns of a write
+def write_json(path: Path, data: dict) -> None:
+    """Write a small JSON file whole or not at all: written beside it, synced, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def any_failure(failure: str | None, group=None) -> str | None:
+    """The first failure any rank reports (None if none): one small collective that replaces a barrier."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return failure
+    failures: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, failure, group=group)
+    return next((f"{f} (on rank {rank})" for rank, f in enumerate(failures) if f), None)
+
+
+def from_main_process(value, group=None):
+    """The main process's `value` on every rank (what it decided, so that all ranks act alike)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
+
+
 def fsync_file(path: Path) -> None:
     """Flush a file (or a folder's entries) to disk, so a rename that follows publishes finished data."""
     fd = os.open(path, os.O_RDONLY)

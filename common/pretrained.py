@@ -9,6 +9,8 @@ the template. The loading and the checkpoints follow accelerate's FSDP2 plugin a
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from accelerate import Accelerator
 
@@ -65,6 +67,27 @@ def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
                          f"(its linear layers: {', '.join(linear)})")
 
 
+def load_once_per_machine(accelerator: Accelerator, pretrained: Callable[[], torch.nn.Module],
+                          empty: Callable[[], torch.nn.Module],
+                          adapt: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """`adapt(pretrained())`: the model to train. Under FSDP only rank 0 reads the weights: every rank builds `empty()`
+    (the same architecture, `from_config`) on the meta device, adapts it alike, shards it, and rank 0 broadcasts its
+    weights into each rank's shard (`shard_and_broadcast`), so a machine holds one full copy while loading instead of
+    one per rank. What `adapt` draws at random (LoRA's initial adapter) is drawn on rank 0 and broadcast too."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return adapt(pretrained())
+    full_state = adapt(pretrained()).state_dict() if accelerator.is_main_process else {}
+    with init_empty_weights(include_buffers=False):  # buffers stay real: the rotary inv_freq is computed, not loaded
+        model = empty()
+    model.tie_weights()  # from_config on meta leaves a tied output layer untied
+    model = adapt(model)
+    shard_and_broadcast(model, full_state, accelerator)
+    return model
+
+
 def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: Accelerator) -> None:
     """FSDP2 on a meta model: one unit per layer class of the launch config (fsdp_transformer_layer_cls_to_wrap)
     plus the root, local shards allocated, then filled from rank 0's full state dict by broadcast.
@@ -98,6 +121,15 @@ def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: A
         model.get_buffer(name).copy_(value)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in backward (non-reentrant): newer transformers call it activation
+    checkpointing, and the old name warns there."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def keep_only_trained_in_checkpoints(accelerator: Accelerator, model: torch.nn.Module) -> None:

@@ -253,6 +253,12 @@ class Tracker:
         for tracker in self.trackers:
             tracker.log(metrics if tracker.name == "wandb" else numbers, step=step)
 
+    def log_once(self, metrics: dict[str, float], step: int) -> None:
+        """`log`, unless metrics.jsonl holds `step` already: a session before a restart logged it."""
+        if self.enabled and f'"step": {step},' not in (self.metrics_path.read_text()
+                                                      if self.metrics_path.is_file() else ""):
+            self.log(metrics, step)
+
     def log_samples(self, rows: list[dict[str, str]], step: int) -> None:
         """Text a model wrote (one dict a sample, the same keys in each): `samples.jsonl` (main process), and a
         W&B table where W&B is on."""

@@ -48,8 +48,9 @@ from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
 from common.export import export_pretrained  # noqa: E402
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
                           warmup_cosine, weight_decay_groups)
-from common.pretrained import (answer_probes, check_lora_targets, generate, keep_only_trained_in_checkpoints,  # noqa: E402
-                               load_tokenizer_and_config, render_chat, shard_and_broadcast)
+from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,  # noqa: E402
+                               keep_only_trained_in_checkpoints, load_once_per_machine, load_tokenizer_and_config,
+                               render_chat)
 from common.tracking import Tracker, progress_bar, say  # noqa: E402
 
 hand_back(THEIRS, imported=__name__ != "__main__")
@@ -108,6 +109,11 @@ class Config(OptimOptions, RunOptions):
     output_dir: str = option("runs/finetune_causal_lm", "Checkpoints, metrics, status.json and the export go here.")
     wandb_project: str = option("finetune-causal-lm-template",
                                 "The run's W&B project, MLflow experiment and trackio project.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.early_stopping_patience and not self.eval_every_steps:
+            raise ValueError("--early_stopping_patience counts evaluations: it needs --eval_every_steps above 0")
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -282,38 +288,21 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- model
 def load_model(cfg: Config, accelerator, config):
-    """The pretrained model, adapted for training (LoRA, gradient checkpointing, compile).
-
-    Under FSDP only rank 0 reads the weights: every rank builds the model on the meta device, shards it, and
-    rank 0 broadcasts its weights into each rank's shard (`common.pretrained.shard_and_broadcast`), so a machine
-    holds one full copy while loading instead of one per rank.
-    """
-    from accelerate import init_empty_weights
-    from accelerate.utils import DistributedType
+    """The pretrained model, adapted for training (LoRA, gradient checkpointing, compile). Under FSDP only rank 0
+    reads the weights and the other ranks receive their shards (`common.pretrained.load_once_per_machine`)."""
     from transformers import AutoModelForCausalLM
 
     # bf16 weights where the mixed precision is bf16 (a frozen LoRA base stays there; trained weights are fp32)
     dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    if accelerator.distributed_type != DistributedType.FSDP:
-        return adapt_for_training(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), cfg)
-    # LoRA's initial adapter is drawn on rank 0 and broadcast with the weights
-    full_state = adapt_for_training(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), cfg).state_dict() \
-        if accelerator.is_main_process else {}
-    with init_empty_weights(include_buffers=False):  # buffers stay real: the rotary inv_freq is computed, not loaded
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # from_config on meta leaves a tied output layer untied
-    model = adapt_for_training(model, cfg)
-    shard_and_broadcast(model, full_state, accelerator)
-    return model
+    return load_once_per_machine(accelerator, lambda: AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype),
+                                 lambda: AutoModelForCausalLM.from_config(config, dtype=dtype),
+                                 lambda model: adapt_for_training(model, cfg))
 
 
 def adapt_for_training(model, cfg: Config):
     model.config.use_cache = False  # training takes whole sequences; the sample below needs no cache either
-    if cfg.gradient_checkpointing:  # newer transformers name it activation checkpointing (the old name warns)
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     if cfg.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -361,14 +350,17 @@ def probe_prompts(examples: list[Example], count: int, eos_id: int) -> list[tupl
     return probes
 
 
-def sample_prompt(cfg: Config, tokenizer, kind: str, example: Example) -> list[int]:
-    """The prompt of the sample at the end: --prompt (chat data: as the user message), else a validation example up
-    to its first learned token."""
+def sample(cfg: Config, model, tokenizer, kind: str, example: Example, device) -> str:
+    """The sample at the end: its prompt, --prompt (chat data: as the user message) or else a validation example up to
+    its first learned token, and the --sample_tokens (greedy) the model writes after it."""
     if not cfg.prompt:
-        return example.input_ids[:next((i for i, label in enumerate(example.labels) if label != IGNORE), 1)]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
-                                         add_generation_prompt=True) if kind == "chat" else cfg.prompt
-    return tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
+        prompt_ids = example.input_ids[:next((i for i, label in enumerate(example.labels) if label != IGNORE), 1)]
+    else:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
+                                             add_generation_prompt=True) if kind == "chat" else cfg.prompt
+        prompt_ids = tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
+    written = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, device)
+    return tokenizer.decode(prompt_ids) + tokenizer.decode(written)
 
 
 def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Path:
@@ -393,8 +385,6 @@ def early_stop(cfg: Config, state) -> str | None:
                  release=release_process_group)  # the process group freed before Python shuts down
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
-    if cfg.early_stopping_patience and not cfg.eval_every_steps:
-        raise UsageError("--early_stopping_patience counts evaluations: it needs --eval_every_steps above 0")
     accelerator, preemption = start_run(cfg)  # output folder checked, Accelerator, stop signals, seed
     torch.set_float32_matmul_precision("high")
 
@@ -451,13 +441,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if state.step == 0:  # the pretrained model's score, what fine-tuning improves (logged once over restarts)
         at_start = evaluate(model, val_loader, accelerator)
         say(accelerator, f"before fine-tuning: val loss {at_start['val/loss']:.4f}")
-        if accelerator.is_main_process and '"step": 0,' not in (tracker.metrics_path.read_text()
-                                                               if tracker.metrics_path.is_file() else ""):
-            tracker.log(at_start, step=0)
+        tracker.log_once(at_start, step=0)
     # Speed (non-padding tokens, counted on the device), data wait and step time, in each log line
     throughput = Throughput(accelerator, "tokens", lambda batch: batch["tokens"], cfg.num_workers)
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
-    session_steps = 0
     metrics: dict[str, float] = {}
     stopping = False
     early_stopped = early_stop(cfg, state)  # a resumed run that had stopped early trains no further
@@ -497,7 +484,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             # the step's loss and target count, every rank's (the same on all ranks), join the log interval
             state.count_step(loss_sum=step_sums[0], targets=step_sums[1])
             step_sums = torch.zeros(2, device=accelerator.device)
-            session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
                 logged = {"train/loss": state.take_interval_loss(), **throughput.read(),  # the next interval starts
@@ -511,8 +497,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             finished = state.step == cfg.max_steps or early_stopped
-            # all ranks agree on a stop signal (check_step exchanged them), so they stop at the same step
-            stopping = preemption.stop_requested() or session_steps == cfg.stop_after_steps
+            # a stop signal (agreed on every rank in check_step) or --stop_after_steps: the same step on every rank
+            stopping = preemption.stop_now()
             if stopping or finished:
                 stopping = not finished  # at the run's end it has finished, whatever else stops it
                 break
@@ -526,9 +512,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if not metrics:  # resumed a finished run: report it again, log nothing twice
             metrics = validate(record=False)
         ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
-        exported_step = state.step
-        if cfg.export_from == "best" and state.best_step not in (None, state.step):
-            exported_step = ckpt.restore_best(state)  # the weights of the best val/loss (and what they came with)
+        # the weights of the best val/loss (and what they came with), or the last step's
+        exported_step = ckpt.restore_best(state) if cfg.export_from == "best" else state.step
         export = export_model(accelerator, model, tokenizer, cfg, Path(cfg.output_dir) / "model")
         adapter = cfg.lora_r and not cfg.merge_lora
         which = f"step {exported_step}" + (f" (best val/loss {state.best_metric:.4f})"
@@ -537,9 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                           f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
         tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if cfg.sample_tokens:
-            prompt_ids = sample_prompt(cfg, tokenizer, kind, val_examples[0])
-            sample = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, accelerator.device)
-            accelerator.print(f"sample:\n{tokenizer.decode(prompt_ids)}{tokenizer.decode(sample)}")
+            accelerator.print(f"sample:\n{sample(cfg, model, tokenizer, kind, val_examples[0], accelerator.device)}")
     # status.json, W&B, why it stopped (early stopping, its stop signal, --stop_after_steps); exit code 75: requeue
     end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping,
             reason=early_stopped)  # None: end_run's own (the stop signal or --stop_after_steps)

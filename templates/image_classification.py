@@ -268,7 +268,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     throughput = Throughput(accelerator, "images", cfg.batch_size, num_workers)  # speed and data wait, logged
     bar = progress_bar(accelerator, total_steps, initial=state.step)
-    session_steps = 0
     metrics: dict[str, float] = {}
     stopping = False
     for epoch in range(state.epoch, cfg.epochs):
@@ -297,7 +296,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 continue
             scheduler.step()
             state.count_step()
-            session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
                 logged = {"train/loss": state.take_interval_loss(),  # read here; the next interval starts
@@ -314,8 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 ckpt.save(state, metrics["val/accuracy"])  # and the best checkpoint, if it is the best so far
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
-            # all ranks agree on a stop signal (check_step exchanged them), so they stop at the same step
-            stopping = preemption.stop_requested() or session_steps == cfg.stop_after_steps
+            # a stop signal (agreed on every rank in check_step) or --stop_after_steps: the same step on every rank
+            stopping = preemption.stop_now()
             if stopping:
                 break
         if stopping:

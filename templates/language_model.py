@@ -158,6 +158,12 @@ def check_corpus(corpus: Corpus, cfg: Config) -> Corpus:
     return corpus
 
 
+def evenly_spread(windows: TokenWindows, count: int) -> Subset:
+    """Validation: `count` windows spread evenly over the split, the same every time and for any number of processes."""
+    spread = np.unique(np.linspace(0, len(windows) - 1, min(len(windows), count)).round().astype(int))
+    return Subset(windows, spread.tolist())
+
+
 def unigram_entropy(tokens: np.ndarray) -> float:
     """Bits per token of the best model that ignores context: -sum p log2 p over token frequencies."""
     p = np.bincount(tokens)
@@ -248,7 +254,8 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: Config, vocab_size: int) -> GPT:
-    """A new model, or with --init_from one holding an export's weights (its shapes must match the options)."""
+    """A new model, or with --init_from one holding an export's weights (its shapes must match the options);
+    compiled block by block with --compile."""
     block_size = cfg.block_size
     init_from = exported_model(cfg.init_from) if cfg.init_from is not None else None
     if init_from is not None:
@@ -260,6 +267,9 @@ def build_model(cfg: Config, vocab_size: int) -> GPT:
     model = GPT(vocab_size, block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.activation_checkpointing)
     if init_from is not None:
         load_exported(model, init_from)  # refuses any other shape
+    if cfg.compile:  # each block in place: one small graph reused by every block, state-dict keys unchanged
+        for block in model.blocks:
+            block.compile()
     return model
 
 
@@ -302,6 +312,14 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, block_size: int, temp
     return idx[:, prompt.shape[1]:]
 
 
+def sample(cfg: Config, model, device) -> str:
+    """The sample at the end: --prompt and the --sample_tokens bytes the model writes after it, drawn with --seed."""
+    prompt = torch.tensor([list(cfg.prompt.encode("utf-8")) or [10]], device=device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    written = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
+    return cfg.prompt + bytes(written[0].tolist()).decode("utf-8", errors="replace")
+
+
 # ----------------------------------------------------------------------------------------- main
 @with_exit_codes(interrupted="the checkpoints saved before are intact: continue with --resume auto",
                  release=release_process_group)  # the process group freed before Python shuts down
@@ -311,10 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left on Ampere and newer GPUs
 
     corpus = load_corpus(cfg)
-    # Validation: the same evenly spread windows every time and for any number of processes.
-    eval_count = min(len(corpus.val), cfg.eval_batches * cfg.batch_size)
-    spread = np.unique(np.linspace(0, len(corpus.val) - 1, eval_count).round().astype(int))
-    val_set = Subset(corpus.val, spread.tolist())
+    val_set = evenly_spread(corpus.val, cfg.eval_batches * cfg.batch_size)
     train_loader, val_loader, batches_per_epoch = build_loaders(  # prepared: each rank holds its shard
         accelerator, corpus.train, val_set, batch_size=cfg.batch_size, seed=cfg.seed,
         num_workers=max(0, cfg.num_workers), what="training windows")  # -1 (pick for the data) is 0: see --help
@@ -323,9 +338,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model_info = {"model": model.options, "byte_level": corpus.byte_level}  # what using the model needs, with the run
     flops_per_token = model.flops_per_token(cfg.block_size)
     n_params = sum(p.numel() for p in model.parameters())
-    if cfg.compile:  # each block in place: one small graph reused by every block, state-dict keys unchanged
-        for block in model.blocks:
-            block.compile()
     learning_rate = scale_learning_rate(cfg.learning_rate, accelerator.num_processes, cfg.lr_scaling)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, cfg.weight_decay), lr=learning_rate, betas=(0.9, 0.95),
                                   fused=fused_adamw_on(accelerator))
@@ -333,10 +345,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
-        accelerator, cfg, template="language_model", metric="val/loss", mode="min",
-        model_info=model_info,
-        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
-    )
+        accelerator, cfg, template="language_model", metric="val/loss", mode="min", model_info=model_info,
+        length="max_steps", total_steps=cfg.max_steps)  # a resume may train longer: the schedule then follows
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process
@@ -359,7 +369,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return metrics
 
     bar = progress_bar(accelerator, cfg.max_steps, initial=state.step)
-    session_steps = 0
     metrics: dict[str, float] = {}
     stopping = False
     model.train()
@@ -387,7 +396,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 continue
             scheduler.step()
             state.count_step()
-            session_steps += 1
             bar.update(1)
             if state.step % cfg.log_every_steps == 0:
                 logged = {"train/loss": state.take_interval_loss(), **throughput.read(),  # the next interval starts
@@ -400,8 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 throughput.restart()  # throughput counts training only
             ckpt.save_if_due(state)  # every --checkpoint_every_steps (a no-op if this step was just saved)
             finished = state.step == cfg.max_steps
-            # all ranks agree on a stop signal (check_step exchanged them), so they stop at the same step
-            stopping = preemption.stop_requested() or session_steps == cfg.stop_after_steps
+            # a stop signal (agreed on every rank in check_step) or --stop_after_steps: the same step on every rank
+            stopping = preemption.stop_now()
             if stopping or finished:
                 stopping = not finished  # at the run's end it has finished, whatever else stops it
                 break
@@ -421,10 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                               f"{entropy:.3f} bits per byte; ratio {metrics['val/bpb'] / entropy:.3f}")
         tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if corpus.byte_level and cfg.sample_tokens:
-            prompt = torch.tensor([list(cfg.prompt.encode("utf-8")) or [10]], device=accelerator.device)
-            generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
-            sample = generate(model, prompt, cfg.sample_tokens, cfg.block_size, cfg.temperature, generator)
-            accelerator.print(f"sample:\n{cfg.prompt}{bytes(sample[0].tolist()).decode('utf-8', errors='replace')}")
+            accelerator.print(f"sample:\n{sample(cfg, model, accelerator.device)}")
     # status.json, W&B, why it stopped (its stop signal, --stop_after_steps); exit code 75: requeue
     end_run(accelerator, status=status, tracker=tracker, preemption=preemption, stopping=stopping)
     return metrics
