@@ -38,20 +38,21 @@ sys.path.insert(0, str(OURS.parent))
 THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
           == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
-from common import hand_back  # noqa: E402
-from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import CheckpointManager  # noqa: E402
-from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
-from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders,  # noqa: E402
-                         split_by_key, unpackable)
-from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.export import export_pretrained  # noqa: E402
-from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
-                          warmup_cosine, weight_decay_groups)
-from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,  # noqa: E402
+# ruff: noqa: E402 (the imports below need the sys.path line above)
+from common import hand_back
+from common.accelerator import Throughput, end_run, release_process_group, start_run
+from common.checkpoint import CheckpointManager
+from common.config import RunOptions, _did_you_mean, option, parse_config
+from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders, split_by_key,
+                         unpackable)
+from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
+from common.export import export_pretrained
+from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate, warmup_cosine,
+                          weight_decay_groups)
+from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,
                                keep_only_trained_in_checkpoints, load_once_per_machine, load_tokenizer_and_config,
                                render_chat)
-from common.tracking import Tracker, progress_bar, say  # noqa: E402
+from common.tracking import Tracker, progress_bar, say
 
 hand_back(THEIRS, imported=__name__ != "__main__")
 
