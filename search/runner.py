@@ -632,7 +632,7 @@ def draw_study(study, study_dir: Path, metric: str) -> list[Path]:
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as plots
 
-    from common.tracking import save_figure
+    from common.curves import save_figure
 
     optuna = _optuna()
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))

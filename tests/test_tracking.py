@@ -16,8 +16,9 @@ from helpers import is_png
 
 import common.tracking as tracking
 from common.accelerator import build_accelerator
+from common.curves import CURVES_FILE, METRICS_FILE, curve_panels, metric_series
 from common.errors import UsageError
-from common.tracking import CURVES_FILE, METRICS_FILE, Tracker, curve_panels, metric_series, wandb_has_credentials
+from common.tracking import Tracker, wandb_has_credentials
 
 MAIN, OTHER_RANK = SimpleNamespace(is_main_process=True), SimpleNamespace(is_main_process=False)
 
