@@ -8,6 +8,8 @@ import bisect
 import hashlib
 import json
 import math
+import multiprocessing
+import multiprocessing.context
 import os
 import random
 import re
@@ -45,22 +47,48 @@ def ignore_stop_signals_from_others() -> None:
     step and checkpoint (common.accelerator.PreemptionWatcher). The training process still ends its workers with
     SIGTERM when it exits (multiprocessing does), and SIGKILL ends them anyway, so only signals from
     elsewhere are ignored: a thread waits for them (the sender's pid is known there) and exits the
-    worker for its parent's SIGTERM, as torch's own worker handler does. Linux only (sigwaitinfo);
-    a signal in the first moments of a worker's start, before this runs, still reaches it.
+    worker for its parent's SIGTERM, as torch's own worker handler does. Linux only (sigwaitinfo).
+    A worker forked through `worker_context()` holds these signals blocked from its first instant, so one sent before
+    this runs (a launcher stopping every rank while a validation loader starts its workers) waits for it here.
     """
     if not hasattr(signal, "sigwaitinfo"):
         return
-    stops = {signal.SIGTERM, signal.SIGUSR1}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # threads started from here on inherit the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started from here on inherit the mask
     parent = os.getppid()
 
     def wait() -> None:
         while True:
-            info = signal.sigwaitinfo(stops)
+            info = signal.sigwaitinfo(STOP_SIGNALS)
             if info.si_signo == signal.SIGTERM and info.si_pid == parent:
                 os._exit(0)
 
     threading.Thread(target=wait, name="loader-stop-signals", daemon=True).start()
+
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
+
+
+class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
+    """A loader worker forked with the stop signals blocked: the child keeps the mask of the thread that forks it."""
+
+    def start(self) -> None:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # this thread only, for the fork
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _ShieldedForkContext(multiprocessing.context.ForkContext):
+    Process = _ShieldedForkProcess
+
+
+def worker_context() -> multiprocessing.context.BaseContext | None:
+    """The loaders' multiprocessing context: the default one, except that where it forks (Linux before Python 3.14) a
+    worker starts with SIGTERM and SIGUSR1 blocked, until `ignore_stop_signals_from_others` waits for them. None (the
+    default as it is) for spawn and forkserver, where a signal in a worker's first moments can still end it."""
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return _ShieldedForkContext() if method == "fork" and hasattr(signal, "sigwaitinfo") else None
 
 
 def default_num_workers(local_processes: int | None = None) -> int:
@@ -105,7 +133,8 @@ def build_loader(
     extra = {}
     if num_workers > 0:
         # Workers that live across epochs skip the fork cost each epoch; prefetch keeps them ahead.
-        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker}
+        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker,
+                 "multiprocessing_context": worker_context()}  # seed_worker shields them from stop signals
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -114,7 +114,7 @@ MUTATIONS = [
     mutation("pin-memory-on-cpu", "loaders", DATA, 'pin_memory=device.type == "cuda",', "pin_memory=True,",
              tests=LOADERS.format(image)),
     mutation("no-worker-init-fn", "loaders: workers seeded", DATA,
-             ', "worker_init_fn": seed_worker}', "}",
+             ' "worker_init_fn": seed_worker,', "",
              tests=LOADERS.format(lm)),
     mutation("worker-numpy-random-one-seed", "loaders: workers seeded", DATA,
              "worker_seed = torch.initial_seed() % 2**32", "worker_seed = 0",

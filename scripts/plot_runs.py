@@ -4,7 +4,7 @@
     python scripts/plot_runs.py runs/image_classification                  # -> runs/image_classification/curves.png
     python scripts/plot_runs.py runs/a runs/b runs/c -o compare.png       # one line a run in every panel
 
-The panels are those of the `curves.png` a run draws at its end (common/tracking.py): the losses, the learning
+The panels are those of the `curves.png` a run draws at its end (common/curves.py): the losses, the learning
 rate, the throughput, then every other metric that changes; each run in its own colour, labelled by its folder,
 its best checkpoint marked. Default output: <run>/curves.png for one run, curves.png here for several.
 A folder without metrics.jsonl is one `error:` line and exit code 2, with nothing written.
@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from common.errors import UsageError, with_exit_codes  # noqa: E402
-from common.tracking import (  # noqa: E402
+from common.curves import (  # noqa: E402
     CURVES_FILE,
     METRICS_FILE,
     best_checkpoint_step,

@@ -632,7 +632,7 @@ def draw_study(study, study_dir: Path, metric: str) -> list[Path]:
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as plots
 
-    from common.tracking import save_figure
+    from common.curves import save_figure
 
     optuna = _optuna()
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
@@ -651,15 +651,16 @@ def draw_study(study, study_dir: Path, metric: str) -> list[Path]:
     written = []
     for name, plot in pictures:
         try:
-            with warnings.catch_warnings():
+            # Optuna's plots switch matplotlib's global style to ggplot: while they draw, not for the program's next one
+            with warnings.catch_warnings(), matplotlib.rc_context():
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental, at every call
                 axes = plot()
-            try:
-                axes.figure.set_size_inches(8, 5)
-                axes.figure.tight_layout()
-                save_figure(axes.figure, study_dir / name)
-            finally:
-                plt.close(axes.figure)
+                try:
+                    axes.figure.set_size_inches(8, 5)
+                    axes.figure.tight_layout()
+                    save_figure(axes.figure, study_dir / name)
+                finally:
+                    plt.close(axes.figure)
         except Exception as error:
             print(f"warning: {name} could not be drawn ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
             continue

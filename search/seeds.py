@@ -210,7 +210,7 @@ def draw_seeds(curves: dict[int, list[tuple[int, float]]], complete: list[int], 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from common.tracking import save_figure
+    from common.curves import save_figure
 
     figure = Figure(figsize=(8, 5), layout="constrained")
     FigureCanvasAgg(figure)

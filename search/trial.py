@@ -25,7 +25,7 @@ from typing import Callable
 
 from common.errors import read_status
 
-METRICS_FILE = "metrics.jsonl"  # common.tracking.METRICS_FILE: the one name the tracker and the runner share
+METRICS_FILE = "metrics.jsonl"  # common.curves.METRICS_FILE: the one name the tracker and the runner share
 LOG_FILE = "trial.log"
 _LAUNCHER_ERRORS = ("CalledProcessError", "ChildFailedError", "SignalException")
 

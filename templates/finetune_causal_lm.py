@@ -38,20 +38,21 @@ sys.path.insert(0, str(OURS.parent))
 THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
           == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
-from common import hand_back  # noqa: E402
-from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import CheckpointManager  # noqa: E402
-from common.config import RunOptions, _did_you_mean, option, parse_config  # noqa: E402
-from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders,  # noqa: E402
-                         split_by_key, unpackable)
-from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.export import export_pretrained  # noqa: E402
-from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate,  # noqa: E402
-                          warmup_cosine, weight_decay_groups)
-from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,  # noqa: E402
+# ruff: noqa: E402 (the imports below need the sys.path line above)
+from common import hand_back
+from common.accelerator import Throughput, end_run, release_process_group, start_run
+from common.checkpoint import CheckpointManager
+from common.config import RunOptions, _did_you_mean, option, parse_config
+from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders, split_by_key,
+                         unpackable)
+from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
+from common.export import export_pretrained
+from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate, warmup_cosine,
+                          weight_decay_groups)
+from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,
                                keep_only_trained_in_checkpoints, load_once_per_machine, load_tokenizer_and_config,
                                render_chat)
-from common.tracking import Tracker, progress_bar, say  # noqa: E402
+from common.tracking import Tracker, progress_bar, say
 
 hand_back(THEIRS, imported=__name__ != "__main__")
 
@@ -363,11 +364,17 @@ def sample(cfg: Config, model, tokenizer, kind: str, example: Example, device) -
     return tokenizer.decode(prompt_ids) + tokenizer.decode(written)
 
 
-def export_model(accelerator, model, tokenizer, cfg: Config, folder: Path) -> Path:
-    """save_pretrained (safetensors) + tokenizer, loadable without accelerate; under FSDP gathered on the main process.
-    LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written atomically."""
-    return export_pretrained(accelerator, model, tokenizer, folder, cfg.model,
-                             merge_adapter=bool(cfg.lora_r and cfg.merge_lora))
+def export_model(accelerator, model, tokenizer, cfg: Config, state, step: int) -> Path:
+    """save_pretrained (safetensors) + tokenizer in <output_dir>/model, loadable without accelerate; under FSDP gathered
+    on the main process. LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written
+    atomically; `step`: the step whose weights the model holds, said with how to load them."""
+    adapter = cfg.lora_r and not cfg.merge_lora
+    export = export_pretrained(accelerator, model, tokenizer, Path(cfg.output_dir) / "model", cfg.model,
+                               merge_adapter=bool(cfg.lora_r and cfg.merge_lora))
+    which = f"step {step}" + (f" (best val/loss {state.best_metric:.4f})" if step == state.best_step else "")
+    accelerator.print(f"exported the weights of {which} to {export}: load it with "
+                      f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
+    return export
 
 
 def early_stop(cfg: Config, state) -> str | None:
@@ -514,12 +521,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
         # the weights of the best val/loss (and what they came with), or the last step's
         exported_step = ckpt.restore_best(state) if cfg.export_from == "best" else state.step
-        export = export_model(accelerator, model, tokenizer, cfg, Path(cfg.output_dir) / "model")
-        adapter = cfg.lora_r and not cfg.merge_lora
-        which = f"step {exported_step}" + (f" (best val/loss {state.best_metric:.4f})"
-                                           if exported_step == state.best_step else "")
-        accelerator.print(f"exported the weights of {which} to {export}: load it with "
-                          f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
+        export_model(accelerator, model, tokenizer, cfg, state, exported_step)
         tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if cfg.sample_tokens:
             accelerator.print(f"sample:\n{sample(cfg, model, tokenizer, kind, val_examples[0], accelerator.device)}")

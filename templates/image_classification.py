@@ -30,16 +30,16 @@ sys.path.insert(0, str(OURS.parent))
 THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
           == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
 
-from common import hand_back  # noqa: E402
-from common.accelerator import Throughput, end_run, release_process_group, start_run  # noqa: E402
-from common.checkpoint import CheckpointManager  # noqa: E402
-from common.config import RunOptions, option, parse_config  # noqa: E402
-from common.data import build_loaders, default_num_workers, split_by_key, split_indices  # noqa: E402
-from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes  # noqa: E402
-from common.export import export_weights, exported_model, load_exported  # noqa: E402
-from common.optim import (OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine,  # noqa: E402
-                          weight_decay_groups)
-from common.tracking import Tracker, progress_bar, say  # noqa: E402
+# ruff: noqa: E402 (the imports below need the sys.path line above)
+from common import hand_back
+from common.accelerator import Throughput, end_run, release_process_group, start_run
+from common.checkpoint import CheckpointManager
+from common.config import RunOptions, option, parse_config
+from common.data import build_loaders, default_num_workers, split_by_key, split_indices
+from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
+from common.export import export_weights, exported_model, load_exported
+from common.optim import OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine, weight_decay_groups
+from common.tracking import Tracker, progress_bar, say
 
 hand_back(THEIRS, imported=__name__ != "__main__")
 

@@ -276,8 +276,8 @@ try:
 except SystemExit as stop:
     state["exit_code"] = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     raise
-except BaseException:
-    state["exit_code"] = 1
+except BaseException as error:  # what it was, for the test's message: an exit 1 is a bug to find
+    state["exit_code"], state["error"] = 1, f"{type(error).__name__}: {error}"[-2000:]
     raise
 finally:
     record()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, RandomSampler, SequentialSampler, TensorDataset
 
+import common.data
 from common.accelerator import build_accelerator
 from common.data import (
     build_loader,
@@ -100,6 +103,35 @@ def test_worker_settings():
     # Without workers DataLoader refuses prefetch_factor/persistent_workers; build_loader leaves them out.
     plain = build_loader(indices(8), batch_size=2, train=True, seed=0, device=CPU, num_workers=0, prefetch_factor=3)
     assert plain.num_workers == 0 and plain.persistent_workers is False and plain.prefetch_factor is None
+
+
+def test_a_stop_signal_from_elsewhere_in_a_workers_first_moments_leaves_it_running(tmp_path, monkeypatch):
+    """A launcher that stops every rank (torchrun's agent signals each rank's process group) may signal a loader
+    worker that has just been forked, before seed_worker shields it: an evaluation starting its loader's workers
+    at that moment. The worker is forked with SIGTERM blocked, so it lives, and ignores it: a SIGTERM that is not
+    its training process's. (Killed, it fails the training process: "DataLoader worker is killed by signal".)"""
+    started, sent = tmp_path / "started", tmp_path / "sent"
+    shield = common.data.ignore_stop_signals_from_others
+
+    def slow_to_shield():  # in the worker: the signal arrives before the shield is up
+        started.write_text(str(os.getpid()))
+        deadline = time.monotonic() + 30
+        while not sent.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        shield()
+
+    monkeypatch.setattr(common.data, "ignore_stop_signals_from_others", slow_to_shield)
+    loader = build_loader(indices(8), batch_size=2, train=False, seed=0, device=CPU, num_workers=1)
+    batches = iter(loader)  # forks the worker
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker = int(started.read_text())
+    subprocess.run(["kill", "-TERM", str(worker)], check=True)  # from another process, as a launcher's
+    sent.touch()
+    assert [i for batch in batches for i in batch[0].tolist()] == list(range(8))
+    os.kill(worker, 0)  # still there (it lives with the loader: persistent workers)
+    del batches, loader
 
 
 def test_batch_size_checked():

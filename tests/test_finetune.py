@@ -32,7 +32,7 @@ import finetune_causal_lm as ft
 
 real_export = ft.export_model
 
-def export_with_probe(accelerator, model, tokenizer, cfg, folder):
+def export_with_probe(accelerator, model, tokenizer, cfg, *where):
     train, val, kind = ft.load_examples(cfg, tokenizer)
     batch = ft.PadToLongest(tokenizer.pad_token_id)([(e.input_ids, e.labels) for e in val[:6]])
     model.eval()
@@ -41,7 +41,7 @@ def export_with_probe(accelerator, model, tokenizer, cfg, folder):
     model.train()
     if accelerator.is_main_process:
         torch.save({{"batch": batch, "logits": logits.float().cpu()}}, {out!r})
-    return real_export(accelerator, model, tokenizer, cfg, folder)
+    return real_export(accelerator, model, tokenizer, cfg, *where)
 
 ft.export_model = export_with_probe
 ft.main()

@@ -185,7 +185,7 @@ def test_cpu_run_writes_the_documented_outputs(plain_run, tmp_path):
     assert not [name for name in names if name.startswith(".tmp-")], names
     assert (out / "model.safetensors").is_file()
     # the run's curves, drawn by the main process at its end from metrics.jsonl, its best checkpoint marked
-    from common.tracking import best_checkpoint_step, curves_figure, metric_series, save_figure
+    from common.curves import best_checkpoint_step, curves_figure, metric_series, save_figure
 
     assert is_png(out / "curves.png") and best_checkpoint_step(out) is not None
     series = metric_series(read_metrics(out))

@@ -13,7 +13,7 @@ from helpers import is_png
 
 from conftest import REPO, clean_env
 
-import common.tracking as tracking
+import common.curves as curves
 
 SCRIPT = REPO / "scripts" / "plot_runs.py"
 
@@ -40,7 +40,7 @@ def test_two_runs_are_drawn_in_the_same_panels_one_line_each_labelled_by_folder(
     a = write_run(tmp_path / "runs" / "a", [3.0, 2.0, 1.0], best_step=2)
     b = write_run(tmp_path / "runs" / "b", [4.0, 3.5])
     figures = []
-    real = tracking.curves_figure
+    real = curves.curves_figure
     module = load_script()
     monkeypatch.setattr(module, "curves_figure", lambda *args, **kwargs: figures.append(real(*args, **kwargs))
                         or figures[-1])

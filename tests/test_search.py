@@ -599,8 +599,13 @@ def study_of(params: list[str], trials: int):
 
 
 def test_the_search_draws_its_history_and_the_importances_of_the_parameters_that_vary(tmp_path, capsys):
+    import matplotlib
+
+    style = dict(matplotlib.rcParams)
     written = search_module.draw_study(study_of(["learning_rate", "weight_decay"], 4), tmp_path, "val/accuracy")
     assert written == [tmp_path / HISTORY_FILE, tmp_path / IMPORTANCES_FILE] and all(map(is_png, written))
+    # Optuna's ggplot style stays in its pictures: the program's next picture (a run's curves.png) is drawn as before
+    assert {k: v for k, v in matplotlib.rcParams.items() if style.get(k) != v and k != "backend"} == {}
     assert capsys.readouterr().out == f"pictures: {tmp_path / HISTORY_FILE}, {tmp_path / IMPORTANCES_FILE}\n"
     for params, trials, why in ((["learning_rate"], 4, "here 4 complete, varying: learning_rate"),
                                 (["learning_rate", "weight_decay"], 1, "here 1 complete, varying: none")):

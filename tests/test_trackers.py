@@ -153,12 +153,18 @@ def test_every_tracker_holds_each_step_once_on_one_process_then_two_ranks_resume
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     assert [step for step, _ in logged(output)["train/loss"]] == [1, 2, 3, 4]
     assert_every_tracker_holds_metrics_jsonl(output, sessions=1)
+    # The last line says where trackio's store is and how to see it, not trackio's "Uploading logs" (it is local)
+    store = output.resolve() / "trackio"
+    assert first.stdout.splitlines()[-1] == (f"trackio run saved in {store}; view it with: TRACKIO_DIR={store} "
+                                             f"trackio show --project {PROJECT}"), first.stdout[-2000:]
+    assert "Uploading logs" not in first.stdout
 
     resume = ["--resume", str(output / "checkpoints" / "step_00000002"), "--max_steps", "6"]
     second = launch("cpu_ddp.yaml", LM, *tiny_lm(corpus, output, *resume), num_processes=2)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert [step for step, _ in logged(output)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert_every_tracker_holds_metrics_jsonl(output, sessions=2)  # the main process alone wrote: one file more
+    assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1], second.stdout[-2000:]
     assert re.fullmatch(r"[0-9a-f]{32}\n", (output / "mlflow_run_id").read_text())
 
 

@@ -14,10 +14,12 @@ import pytest
 
 from helpers import is_png
 
+import common.curves as curves
 import common.tracking as tracking
 from common.accelerator import build_accelerator
+from common.curves import CURVES_FILE, METRICS_FILE, curve_panels, metric_series
 from common.errors import UsageError
-from common.tracking import CURVES_FILE, METRICS_FILE, Tracker, curve_panels, metric_series, wandb_has_credentials
+from common.tracking import Tracker, wandb_has_credentials
 
 MAIN, OTHER_RANK = SimpleNamespace(is_main_process=True), SimpleNamespace(is_main_process=False)
 
@@ -269,7 +271,7 @@ def test_a_failure_to_draw_is_one_warning_and_the_run_still_ends(tmp_path, monke
     def broken(*args, **kwargs):
         raise ValueError("no room for the axes")
 
-    monkeypatch.setattr(tracking, "curves_figure", broken)
+    monkeypatch.setattr(curves, "curves_figure", broken)
     tracker = Tracker(MAIN, tmp_path, kind="wandb", project="p", config={})
     run = tracker.run
     log_a_run(tracker, range(1, 5))
