@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampl
 
 from common.errors import UsageError
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # what launchers and Slurm send to stop a run
+
 
 def seed_worker(worker_id: int) -> None:
     """Seed numpy and `random` in a loader worker from the seed torch gave it; shield it from stop signals.
@@ -63,9 +65,6 @@ def ignore_stop_signals_from_others() -> None:
                 os._exit(0)
 
     threading.Thread(target=wait, name="loader-stop-signals", daemon=True).start()
-
-
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 
 
 class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
