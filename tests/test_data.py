@@ -114,7 +114,8 @@ def test_a_stop_signal_from_elsewhere_in_a_workers_first_moments_leaves_it_runni
     shield = common.data.ignore_stop_signals_from_others
 
     def slow_to_shield():  # in the worker: the signal arrives before the shield is up
-        started.write_text(str(os.getpid()))
+        (tmp_path / "starting").write_text(str(os.getpid()))
+        os.replace(tmp_path / "starting", started)  # whole: the test reads the pid as soon as the file is there
         deadline = time.monotonic() + 30
         while not sent.exists() and time.monotonic() < deadline:
             time.sleep(0.01)

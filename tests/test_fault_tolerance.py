@@ -400,8 +400,8 @@ def test_sigkill_at_a_drawn_step_or_mid_save_and_the_restart_resumes_before_it(r
         acting = launch.records[event.rank]
         assert acting["exit_code"] is None, acting  # it died by SIGKILL: no exit of its own
         for rank, other in launch.records.items():  # stopped by the launcher, or noticed the loss and said so
-            # (a rare exit 1 of the other rank under heavy load was seen three times, never reproduced: its error and
-            # output in full, a string, which pytest does not cut short as it does a tuple's repr)
+            # (an exit 1 here, seen under heavy load, was the launcher's SIGTERM killing a loader worker in its first
+            # moments, fixed by common.data.worker_context: the error and output in full, should another appear)
             assert rank == event.rank or other["exit_code"] in (None, 5), f"{other}\n{show(launch)}"
         if event.fault == "kill":
             assert acting["steps_done"] == step - 1, (event, step, acting)
