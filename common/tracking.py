@@ -154,6 +154,10 @@ class Tracker:
             settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs))
         tracker.start()
         self.run = tracker.run
+        # W&B's client writes to its service through asyncio, which logs every write to a service that is gone
+        # ("socket.send() raised exception."): after a Ctrl-C or SIGTERM the launcher ends the service with the run,
+        # and those lines would come, from W&B's thread, after the run's own last line. What W&B lost, finish says.
+        logging.getLogger("asyncio").addFilter(not_a_lost_service_write)
         return tracker
 
     def _start_tensorboard(self, project: str, config: dict, resume_step: int):
@@ -219,8 +223,7 @@ class Tracker:
         hook would add a traceback if its service is gone)."""
         if self.trackers:
             status = read_status(self.output_dir) or {}
-            # W&B's client writes to its service through asyncio, which logs each failed write to a service that
-            # is gone ("socket.send() raised exception."): nothing is logged after this, so those are silenced.
+            # and the rest of what asyncio may log about W&B's service on the way out (tasks it had pending)
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             self.finish(exit_code=status.get("exit_code") or 1, quiet=True)
 
@@ -367,6 +370,11 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def not_a_lost_service_write(record: logging.LogRecord) -> bool:
+    """A logging filter: False for asyncio's line about a write to a connection that is gone."""
+    return record.getMessage() != "socket.send() raised exception."
 
 
 def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -309,6 +310,19 @@ def test_wandb_offline_without_credentials_online_with(tmp_path, fake_wandb, mon
     assert fake_wandb.inits[-1]["mode"] == "disabled"
     assert fake_wandb.inits[-1]["project"] == "p" and fake_wandb.inits[-1]["config"] == {"lr": 1}
     assert fake_wandb.inits[-1]["dir"] == str(tmp_path / "c")
+
+
+def test_with_wandb_asyncio_logs_no_write_to_a_service_that_is_gone(tmp_path, fake_wandb, caplog, monkeypatch):
+    """After a Ctrl-C the launcher ends W&B's service with the run; W&B's client, writing to it through asyncio,
+    would log "socket.send() raised exception." after the run's own last line (seen in the Ctrl-C test under load).
+    Other asyncio warnings still reach the user."""
+    asyncio_log = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_log, "filters", list(asyncio_log.filters))  # the process's filters come back after
+    Tracker(MAIN, tmp_path, kind="wandb", project="p", config={}).finish()
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        asyncio_log.warning("socket.send() raised exception.")
+        asyncio_log.warning("something else")
+    assert [record.getMessage() for record in caplog.records if record.name == "asyncio"] == ["something else"]
 
 
 def test_wandb_run_id_is_kept_for_resume(tmp_path, fake_wandb, monkeypatch):
