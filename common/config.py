@@ -104,8 +104,8 @@ class RunOptions:
     output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.",
                              may_change=True)
     seed: int = option(0, "Seeds init, data order and every random draw of training.", "[0, 2147483647]")
-    resume: str = option("auto", "auto (newest checkpoint in output_dir), none, or a checkpoint path.",
-                         may_change=True)
+    resume: str = option("auto", "auto (newest checkpoint in output_dir), none (start fresh), a checkpoint folder, "
+                         "or a run folder (its newest complete checkpoint: --resume runs/x).", may_change=True)
     checkpoint_every_steps: int = option(0, "Also checkpoint every N optimizer steps (0: at evaluations only).",
                                          "[0, inf)", may_change=True)
     keep_last: int = option(3, "Periodic checkpoints to keep (the best is kept apart).", "[1, inf)", may_change=True)

@@ -361,3 +361,14 @@ class Trial(Session):
 def test_the_options_a_resume_may_change_are_declared_on_them_and_kept_by_a_field_declared_again():
     assert may_change_on_resume(Session) == {"log_every", "workers"}
     assert may_change_on_resume(Trial) == {"log_every", "sample"}  # `workers` said otherwise where declared again
+
+
+def test_help_of_resume_names_every_form_it_takes(capsys):
+    from common.config import RunOptions
+
+    with pytest.raises(SystemExit):
+        parse_config(RunOptions, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text at the terminal width
+    resume_help = out[out.index("--resume str"):out.index("--checkpoint_every_steps")]
+    for form in ("auto", "none", "checkpoint folder", "run folder"):
+        assert form in resume_help, (form, resume_help)
