@@ -408,6 +408,28 @@ def say(accelerator: Accelerator, text: str) -> None:
         tqdm.write(text)
 
 
+class LinesOnly:
+    """The bar's stream when it is not a terminal (a job's log file): each refresh a line of its own, and nothing of
+    the carriage returns and blanks that redraw it in place, which a file keeps as fragments glued to the next line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        if line := text.replace("\r", "").rstrip():
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: str = "train") -> tqdm:
-    """A tqdm bar on the main process only; the other ranks get a disabled one with the same API."""
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not accelerator.is_main_process)
+    """A tqdm bar on the main process only; the other ranks get a disabled one with the same API. Where stderr is
+    not a terminal, it writes a line where it would redraw itself: at each logged loss, and at most every 30 s between
+    (`LinesOnly`); where stdout is not one, its lines are written as they end, so that they land in a log file in
+    order among the bar's (Python writes a file's stdout in blocks)."""
+    if not sys.stdout.isatty():
+        sys.stdout.reconfigure(line_buffering=True)
+    terminal = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.1 if terminal else 30,
+                file=sys.stderr if terminal else LinesOnly(sys.stderr), disable=not accelerator.is_main_process)

@@ -490,3 +490,37 @@ def test_sweep_run_dir_gives_each_wandb_agent_run_its_own_folder(monkeypatch):
                 sweep_run_dir("runs/x")
         else:
             assert sweep_run_dir("runs/x") == "runs/x"
+
+
+def test_in_a_log_file_every_log_line_starts_a_line_of_its_own(tmp_path):
+    """A cluster job's log: stdout and stderr to one file, Python's own buffering (no PYTHONUNBUFFERED). The bar's
+    redraws (carriage returns) left fragments glued in front of `epoch ...` lines, so `grep '^epoch'` missed them."""
+    import subprocess
+
+    from conftest import CONFIGS, REPO, clean_env
+    from search.sweep import free_port
+
+    env = clean_env()
+    env.pop("PYTHONUNBUFFERED")
+    log = tmp_path / "job.log"
+    with log.open("w") as out:
+        launched = subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu.yaml"),
+             "--main_process_port", str(free_port()), str(REPO / "templates" / "image_classification.py"),
+             "--epochs", "3", "--width", "8", "--depth", "1", "--tracker", "none",
+             "--output_dir", str(tmp_path / "run")],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+    text = log.read_bytes().decode()  # as written: read_text() would turn carriage returns into line ends
+    assert launched.returncode == 0, text[-2000:]
+    lines = text.split("\n")
+    assert not [line for line in lines if "\r" in line]  # a terminal's redraw in place is a glued fragment in a file
+    epochs = [number for number, line in enumerate(lines) if line.startswith("epoch ")]
+    assert [lines[number].split(":")[0] for number in epochs] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], text[-2000:]
+    assert text.count("epoch ") == len(epochs)  # none glued behind anything
+    # each where it happened: after the bar's line of the epoch's last step, before any later step's
+    bar = [(number, int(line.split("|")[2].split("/")[0])) for number, line in enumerate(lines)
+           if line.startswith("train:")]
+    for epoch, number in enumerate(epochs, start=1):
+        assert all(step <= 22 * epoch for at, step in bar if at < number), text
+        assert all(step >= 22 * epoch for at, step in bar if at > number), text
+    assert lines.index(next(line for line in lines if line.startswith("train:"))) > 1  # after the lines before it
