@@ -424,12 +424,10 @@ def check_settings(path: Path, saved: dict | None, now: dict, may_change: frozen
     shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
                       for name in differ[:4])
     more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
-    grows = f", and --{length} may grow" if length else ""
-    raise UsageError(
-        f"checkpoint {path} belongs to a run with other settings: {shown}{more}. A run resumes only with its "
-        f"own settings (only {', '.join('--' + n for n in sorted(may_change))} may change{grows}); "
-        "for a new run choose another --output_dir, or --resume none with an empty one"
-    )
+    grows = f" (--{length} may grow)" if length else ""
+    weights = f" (from its weights: --init_from {path.parent.parent})" if "init_from" in now else ""
+    raise UsageError(f"checkpoint {path} belongs to a run with other settings: {shown}{more}. Resume it with its own "
+                     f"settings{grows}, or start a new run in another --output_dir{weights}")
 
 
 def _shown(value) -> str:

@@ -481,6 +481,23 @@ def test_checkpoint_of_other_settings_is_refused_naming_them_and_nothing_is_writ
     assert snapshot(job.ckpt.output_dir) == before and not (tmp_path / "elsewhere").exists()
 
 
+def test_the_refusal_of_other_settings_is_short_and_names_the_way_to_start_from_its_weights(job, tmp_path):
+    """What a user wants after the refusal: a new run from those weights with the other settings (--init_from,
+    where the template has it), said in one short line, not a list of every option that may change."""
+    for step, saved in enumerate(({"width": 8, "init_from": None}, {"width": 8}), start=1):
+        job.ckpt.config = saved  # the second as the fine-tuning template has it: it starts from --model instead
+        path = job.ckpt.save(TrainingState(step=step))
+        hint = f" (from its weights: --init_from {path.parent.parent})" if "init_from" in saved else ""
+        other = CheckpointManager(job.accelerator, tmp_path / "new", template="tiny", config=saved | {"lr": 0.5},
+                                  metric="val/accuracy", may_change={"keep_last", "output_dir"})
+        with pytest.raises(UsageError) as info:
+            other.resume(str(path))
+        message = str(info.value)
+        assert message == (f"checkpoint {path} belongs to a run with other settings: --lr (not set) there, 0.5 now. "
+                           f"Resume it with its own settings, or start a new run in another --output_dir{hint}")
+        assert len(message) - len(str(path)) - len(hint) < 200
+
+
 def test_a_longer_run_extends_its_checkpoint_with_the_schedule_of_the_new_length(tmp_path, fresh_accelerate, capsys):
     """--max_steps 10 trained to its end, resumed with 16: the learning rate of step 10 on is the 16-step
     schedule's (restored from the checkpoint it was the 10-step one's), and it says so; a shorter run is refused."""
@@ -507,7 +524,7 @@ def test_a_longer_run_extends_its_checkpoint_with_the_schedule_of_the_new_length
     with pytest.raises(UsageError) as info:  # a shorter run is another run
         setup(tmp_path / "run", max_steps=9).ckpt.resume(str(path))
     assert str(info.value).startswith(f"checkpoint {path} belongs to a run with other settings: --max_steps 10 "
-                                      "there, 9 now. ") and "and --max_steps may grow)" in str(info.value)
+                                      "there, 9 now. ") and "(--max_steps may grow)" in str(info.value)
 
 
 def test_options_that_may_change_on_resume_do_not_block_it(job, tmp_path):
