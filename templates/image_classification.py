@@ -25,13 +25,12 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
 sys.path.insert(0, str(OURS.parent))
-# A program importing this file may have a `common` of its own (a monorepo's): set aside while ours is imported,
-# then handed back (common.hand_back, below), so that both work in one process.
-THEIRS = {name: sys.modules.pop(name) for name in [name for name, module in sys.modules.items() if name.split(".")[0]
-          == "common" and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents]}
+# A monorepo's program importing this file may have imported a `common` of its own: set aside, handed back below.
+THEIRS = {name: sys.modules.pop(name) for name, module in list(sys.modules.items()) if name.split(".")[0] == "common"
+          and OURS not in Path(getattr(module, "__file__", None) or "/").resolve().parents}
 
 # ruff: noqa: E402 (the imports below need the sys.path line above)
-from common import hand_back
+import common
 from common.accelerator import Throughput, end_run, release_process_group, start_run
 from common.checkpoint import CheckpointManager
 from common.config import RunOptions, option, parse_config
@@ -41,7 +40,7 @@ from common.export import export_weights, exported_model, load_exported
 from common.optim import OptimOptions, fused_adamw_on, scale_learning_rate, warmup_cosine, weight_decay_groups
 from common.tracking import Tracker, progress_bar, say
 
-hand_back(THEIRS, imported=__name__ != "__main__")
+common.hand_back(THEIRS, imported=__name__ != "__main__")
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 

@@ -405,9 +405,10 @@ def test_a_copy_inside_a_monorepo_imports_its_own_common_not_the_one_above_it(tm
     assert "final validation accuracy" in launched.stdout and (proj / "runs" / "x" / "model.safetensors").is_file()
 
 
-IMPORT_ORDERS = {  # how a program of the monorepo (a notebook at its root) meets the template
-    "monorepo-common-first": "import common.strings; sys.path.insert(0, 'proj'); from train import ResNet, main",
-    "template-first": "sys.path.append('proj'); from train import ResNet, main; import common.strings",
+IMPORT_ORDERS = {  # how a program of the monorepo (a notebook at its root) meets the template, the project's folder
+    # after the monorepo's own on sys.path (as the README says: first, its `common` would be the one Python finds)
+    "monorepo-common-first": "import common.strings; sys.path.append('proj'); from train import ResNet, main",
+    "template-first": "sys.path.append('proj'); import train; from train import ResNet, main; import common.strings",
 }
 IN_ONE_PROCESS = """
 import sys
@@ -417,7 +418,13 @@ model = ResNet(in_channels=1, num_classes=10, width=8, depth=1, stages=3, dropou
 metrics = main(["--epochs", "1", "--width", "8", "--depth", "1", "--batch_size", "512", "--tracker", "none",
                 "--num_workers", "0", "--output_dir", "proj/runs/x"])
 import common.strings
-print(common.OWNER, common.strings.shout("still theirs"), "val/accuracy" in metrics)
+from common.strings import shout
+# the README's export snippet, where `common` is the monorepo's: the template's own is `train.common`
+import train
+path = "proj/runs/x/model.safetensors"
+info = train.common.export.export_info(path)
+loaded = train.common.export.load_exported(ResNet(**info["model"]).eval(), path)
+print(common.OWNER, shout("still theirs"), "val/accuracy" in metrics, info["classes"][:2])
 """
 
 
@@ -430,7 +437,7 @@ def test_a_copy_imported_by_a_monorepo_program_leaves_its_common_alone_in_either
     result = subprocess.run([sys.executable, "-c", code], cwd=proj.parent, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, show(result)
-    assert result.stdout.splitlines()[-1] == "the monorepo STILL THEIRS True", show(result)
+    assert result.stdout.splitlines()[-1] == "the monorepo STILL THEIRS True ['0', '1']", show(result)
     assert (proj / "runs" / "x" / "model.safetensors").is_file()
 
 
