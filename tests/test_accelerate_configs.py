@@ -133,3 +133,39 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
         assert files == ["model.safetensors", "optimizer.bin", "progress.json", "random_states_0.pkl",
                          "random_states_1.pkl", "scheduler.bin"], (name, files)
         assert json.loads((out / "checkpoints" / name / "progress.json").read_text())["world_size"] == 2
+
+
+def test_the_readmes_commands_in_a_copied_project_print_no_launcher_warning(tmp_path):
+    """The README's 'Use a template' block run as written (its paths pointed here), but with a bad option: the
+    template's `error:` line is all there is on stderr, not after accelerate's 3-line warning about CPU threads
+    (it warns on a CPU config with more than one physical core unless the number is named)."""
+    import os
+    import shutil
+    import sys
+
+    import psutil
+
+    from conftest import clean_env
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Use a template in your project"):]
+    block = section[section.index("```bash\n") + 8:section.index("```\n", section.index("```bash\n"))]
+    commands = [line.replace("~/myproject", str(tmp_path / "myproject")).replace("/path/to/this/repo", str(REPO))
+                for line in block.splitlines() if not line.startswith("cd ")]
+    commands = [("cp " + line[3:].replace(" templates/", f" {REPO}/templates/").replace(" common ", f" {REPO}/common ")
+                 .replace(" accelerate_configs/", f" {REPO}/accelerate_configs/")) if line.startswith("cp ") else line
+                for line in commands]
+    (tmp_path / "myproject").mkdir()
+    launch_line = next(line for line in commands if line.startswith("accelerate launch"))
+    script = "\n".join(["set -e", *[line for line in commands if line.startswith(("cp ", "export "))],
+                        f"cd {tmp_path / 'myproject'}", launch_line + " --epochs=abc"])
+    env = clean_env()
+    env.pop("OMP_NUM_THREADS")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stderr.splitlines() == ["error: --epochs: expected an integer, got 'abc'"], result.stderr
+    assert result.returncode == 1 and shutil.which("accelerate", path=env["PATH"])
+    if (psutil.cpu_count(logical=False) or 1) > 1:  # where accelerate warns at all: without the export, it does
+        bare = subprocess.run(["bash", "-c", f"cd {tmp_path / 'myproject'} && {launch_line} --epochs=abc"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert "num_cpu_threads_per_process" in bare.stderr, bare.stderr
