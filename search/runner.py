@@ -656,6 +656,7 @@ def draw_study(study, study_dir: Path, metric: str) -> list[Path]:
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental, at every call
                 axes = plot()
                 try:
+                    annotate(axes, name, len(complete))
                     axes.figure.set_size_inches(8, 5)
                     axes.figure.tight_layout()
                     save_figure(axes.figure, study_dir / name)
@@ -668,6 +669,22 @@ def draw_study(study, study_dir: Path, metric: str) -> list[Path]:
     if written:
         print("pictures: " + ", ".join(str(path) for path in written), flush=True)
     return written
+
+
+FEW_TRIALS = 20  # complete trials below which parameter importances are mostly noise (a forest fit to that few)
+
+
+def annotate(axes, name: str, complete: int) -> None:
+    """What Optuna's plots leave out: the history's trials are whole numbers (ticks at 0.5 mislead); importances
+    say how many complete trials they come from, and that so few make them noise."""
+    from matplotlib.ticker import MaxNLocator
+
+    if name == HISTORY_FILE:
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    elif name == IMPORTANCES_FILE:
+        note = f"from {complete} complete trials" + (": importances from so few trials are noise"
+                                                     if complete < FEW_TRIALS else "")
+        axes.figure.text(0.01, 0.01, note, fontsize="small", color="darkred" if complete < FEW_TRIALS else "0.3")
 
 
 def format_table(results: dict, sweep: Sweep) -> str:

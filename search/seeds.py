@@ -24,6 +24,7 @@ import os
 import shlex
 import statistics
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def run_seeds(cfg: SeedsConfig, extra: list[str]) -> dict:
     if have_matplotlib(PICTURE_FILE):
         try:
             draw_seeds(curves, [run["seed"] for run in runs if run["value"] is not None], sweep.metric,
-                       base / PICTURE_FILE)
+                       base / PICTURE_FILE, about=f"{source}: {shlex.join(ran) or 'its defaults'}")
             print(f"picture: {base / PICTURE_FILE}", flush=True)
         except Exception as error:  # the report stands without its picture
             print(f"warning: {PICTURE_FILE} could not be drawn ({type(error).__name__}: {error})", file=sys.stderr,
@@ -204,9 +205,11 @@ def seed_band(curves: dict[int, list[tuple[int, float]]], complete: list[int]) -
     return steps, [statistics.fmean(c) for c in columns], [statistics.stdev(c) for c in columns]
 
 
-def draw_seeds(curves: dict[int, list[tuple[int, float]]], complete: list[int], metric: str, path: Path):
+def draw_seeds(curves: dict[int, list[tuple[int, float]]], complete: list[int], metric: str, path: Path,
+               about: str = ""):
     """Each seed's metric against step (failed seeds dashed, as far as they got) and the complete seeds' mean ±
-    sample std as a band; written to `path`, returns the Figure."""
+    sample std as a band, under `about` (what ran: the trial and its settings); written to `path`, returns the
+    Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -228,6 +231,8 @@ def draw_seeds(curves: dict[int, list[tuple[int, float]]], complete: list[int], 
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} by seed")
+    if about:  # which trial, with which settings: the picture alone says what was repeated
+        figure.suptitle(textwrap.fill(about, 110), fontsize="small")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[1]:
         ax.legend(fontsize="small")

@@ -618,6 +618,46 @@ def test_the_search_draws_its_history_and_the_importances_of_the_parameters_that
             f"among them ({why})", f"pictures: {folder / HISTORY_FILE}"]
 
 
+@pytest.fixture
+def drawn(monkeypatch) -> dict:
+    """The figures the search tools save, by file name, as they were when saved (Optuna's are closed after)."""
+    import common.curves
+
+    figures, save = {}, common.curves.save_figure
+
+    def recording(figure, path):
+        figure.canvas.draw()  # ticks and texts as in the file
+        figures[Path(path).name] = {"texts": [t.get_text() for t in figure.texts],
+                                    "suptitle": figure._suptitle.get_text() if figure._suptitle else "",
+                                    "xticks": [list(ax.get_xticks()) for ax in figure.axes]}
+        save(figure, path)
+
+    monkeypatch.setattr(common.curves, "save_figure", recording)
+    return figures
+
+
+def test_the_search_pictures_count_trials_in_whole_numbers_and_say_how_few_the_importances_come_from(tmp_path,
+                                                                                                   drawn):
+    search_module.draw_study(study_of(["learning_rate", "weight_decay"], 4), tmp_path, "val/accuracy")
+    history, importances = drawn[HISTORY_FILE], drawn[IMPORTANCES_FILE]
+    trials = history["xticks"][0]
+    assert trials and all(tick == int(tick) for tick in trials), trials  # no trial 0.5
+    assert "from 4 complete trials: importances from so few trials are noise" in importances["texts"]
+    (tmp_path / "many").mkdir()
+    search_module.draw_study(study_of(["learning_rate", "weight_decay"], 25), tmp_path / "many", "val/accuracy")
+    assert "from 25 complete trials" in drawn[IMPORTANCES_FILE]["texts"]
+
+
+def test_seeds_png_names_the_trial_and_the_settings_it_repeats(tmp_path, drawn):
+    sweep = write_sweep(tmp_path, parameters={"score": {"value": 0.5}, "evals": {"value": 2}, "sleep": {"value": 0}})
+    seeds_module.run_seeds(SeedsConfig(sweep=str(sweep), seeds=[0, 1], output_dir=str(tmp_path / "s")), [])
+    title = " ".join(drawn[PICTURE_FILE]["suptitle"].split())
+    assert title.startswith("the sweep's constants: ") and "--score=0.5" in title and "--evals=2" in title, title
+    figure = seeds_module.draw_seeds({0: [(1, 0.5)], 1: [(1, 0.6)]}, [0, 1], "val/accuracy", tmp_path / "t.png",
+                                     about="trial 7 of runs/search/x/results.json: --learning_rate=0.01")
+    assert figure._suptitle.get_text() == "trial 7 of runs/search/x/results.json: --learning_rate=0.01"
+
+
 def test_without_matplotlib_the_search_and_the_seeds_say_so_in_one_line_and_end_as_before(tmp_path, monkeypatch,
                                                                                            capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
