@@ -139,15 +139,15 @@ class CheckpointManager:
 
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, *, template: str, metric: str, mode: str,
-                model_info: dict | None = None, length: str | None = None,
-                total_steps: int | None = None) -> CheckpointManager:
+                model_info: dict | None = None, length: str | None = None, total_steps: int | None = None,
+                settings: dict | None = None) -> CheckpointManager:
         """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`);
-        a resume may change the options its `Config` declares `may_change=True`."""
-        return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg), metric=metric,
-                   mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps, seed=cfg.seed,
-                   may_change=may_change_on_resume(type(cfg)), model_info=model_info,
-                   background=cfg.checkpoint_background, timeout_s=cfg.timeout_s, length=length,
-                   total_steps=total_steps)
+        a resume may change the options its `Config` declares `may_change=True`. `settings`: what else makes the run
+        what it is (named with spaces, unlike an option: "records split by"), compared as the options are."""
+        return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg) | (settings or {}),
+                   metric=metric, mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps,
+                   seed=cfg.seed, may_change=may_change_on_resume(type(cfg)), model_info=model_info, length=length,
+                   background=cfg.checkpoint_background, timeout_s=cfg.timeout_s, total_steps=total_steps)
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
@@ -421,7 +421,8 @@ def check_settings(path: Path, saved: dict | None, now: dict, may_change: frozen
         grown = (before, after)
     if not differ:
         return grown
-    shown = "; ".join(f"--{name} {_shown(saved.get(name, _ABSENT))} there, {_shown(now.get(name, _ABSENT))} now"
+    shown = "; ".join(f"{'--' * name.isidentifier()}{name} {_shown(saved.get(name, _ABSENT))} there, "
+                      f"{_shown(now.get(name, _ABSENT))} now"
                       for name in differ[:4])
     more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
     grows = f" (--{length} may grow)" if length else ""

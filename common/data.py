@@ -210,13 +210,11 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 
 # ------------------------------------------------------------------------------- token streams
 class TokenWindows(Dataset):
-    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T.
-
-    Windows are fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch).
-    An item is a pure function of its index, which is what makes the data position saved in a checkpoint
-    enough for an exact resume; a per-epoch random offset would need the epoch inside the loader
-    workers, and persistent workers never see it. Token files are memory-mapped, once per process.
-    """
+    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T. Windows are
+    fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch). An item is a pure
+    function of its index, which is what makes the data position saved in a checkpoint enough for an exact resume;
+    a per-epoch random offset would need the epoch inside the loader workers, and persistent workers never see it.
+    Token files are memory-mapped, once per process."""
 
     def __init__(self, tokens: np.ndarray | Path, block_size: int, start: int = 0, stop: int | None = None):
         self.tokens, self.block_size, self.start = tokens, block_size, start
@@ -263,11 +261,9 @@ def largest_token(path: Path) -> int:
 
 def token_file_splits(path: Path, block_size: int, val_fraction: float,
                       vocab_size: int = 0) -> tuple[TokenWindows, TokenWindows, int]:
-    """nanoGPT's token files: training and validation windows, and the vocabulary size.
-
-    A folder holds `train.bin` and `val.bin` (as nanoGPT's prepare.py writes them); a single `.bin` file
-    has its tail held out. `vocab_size` 0 takes the largest token id + 1, rounded up to a multiple of 64.
-    """
+    """nanoGPT's token files: training and validation windows, and the vocabulary size. A folder holds `train.bin`
+    and `val.bin` (as nanoGPT's prepare.py writes them); a single `.bin` file has its tail held out. `vocab_size` 0
+    takes the largest token id + 1, rounded up to a multiple of 64."""
     if path.is_dir():
         if not (path / "val.bin").is_file():
             raise UsageError(f"--data_path {path}: has train.bin but no val.bin")
@@ -319,8 +315,9 @@ class DataSource:
         data has it, else None), each with the name errors give it: the path, and the split where there are several.
         A JSONL file is read line by line without `datasets`, so its errors name the line."""
         path = self.path
-        found = {"train": jsonl_rows(path)} if path.suffix == ".jsonl" and path.is_file() else \
-            {name: dataset_rows(rows) for name, rows in self.load().items()}
+        found = {"train": jsonl_rows(path)} if path.suffix == ".jsonl" and path.is_file() else {  # rows from 0, as
+            name: ((f"row {i}", row, record_key(row)) for i, row in enumerate(rows)) for name, rows in  # dataset[i]
+            self.load().items()}
         for name in (split, val_split):
             if name and name not in found:
                 raise UsageError(f"--data_path {path} has no split {name!r} (its splits: {', '.join(found)})")
@@ -361,13 +358,19 @@ def jsonl_rows(path: Path) -> Iterator[tuple[str, object, str]]:
                 record = json.loads(line)
             except ValueError as error:
                 raise UsageError(f"{path} line {number}: not JSON ({error})") from None
-            yield f"line {number}", record, line.strip()
+            yield f"line {number}", record, record_key(record)
 
 
-def dataset_rows(dataset) -> Iterator[tuple[str, object, str]]:
-    """A `datasets.Dataset` row by row (rows count from 0, as dataset[i] does)."""
-    for index, row in enumerate(dataset):
-        yield f"row {index}", row, json.dumps(row, default=str)  # the key of the same record as a JSONL line
+RECORD_KEYS = "content as canonical JSON"  # what a record's key is: recorded with a run whose split reads it
+
+
+def record_key(record) -> str:
+    """What a hash split reads of a record: its content as canonical JSON (sorted keys, compact, non-ASCII as is), a
+    null field as an absent one (`datasets` fills absent cells with None): the same records split alike from JSONL
+    (however written), JSON, parquet or CSV (the same JSON values, with the types each format keeps)."""
+    present = json.loads(json.dumps(record, default=str),
+                         object_hook=lambda fields: {k: v for k, v in fields.items() if v is not None})
+    return json.dumps(present, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -380,16 +383,14 @@ def is_plain_text(path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- padded or packed batches
-# Packing for the fine-tuning template: whole examples concatenated into rows of up to `max_length` tokens,
-# so no compute goes to padding, and no example attends to another.
-#
-# transformers builds a block-diagonal causal mask from position ids that restart at each example, when the
-# forward gets no attention mask and builds no cache (`masking_utils.find_packed_sequence_indices`, used by the
-# SDPA, eager and flex masks; flash attention reads the position ids itself). So a packed batch is input ids,
-# position ids and labels only, and the forward is called with `use_cache=False`. Each example's first label is
-# IGNORE, so the last token of one example never learns to predict the first of the next; a row shorter than the
-# batch's longest is padded with one more segment of its own (positions from 0, labels IGNORE), which the real
-# tokens never see.
+# Packing for the fine-tuning template: whole examples concatenated into rows of up to `max_length` tokens, so no
+# compute goes to padding, and no example attends to another. transformers builds a block-diagonal causal mask from
+# position ids that restart at each example, when the forward gets no attention mask and builds no cache
+# (`masking_utils.find_packed_sequence_indices`, used by the SDPA, eager and flex masks; flash attention reads the
+# position ids itself). So a packed batch is input ids, position ids and labels only, and the forward is called with
+# `use_cache=False`. Each example's first label is IGNORE, so the last token of one example never learns to predict
+# the first of the next; a row shorter than the batch's longest is padded with one more segment of its own (positions
+# from 0, labels IGNORE), which the real tokens never see.
 IGNORE = -100  # label of a token that is not learned (torch's cross-entropy ignore_index)
 # Attention whose mask transformers builds from restarting position ids (flash attention: from the ids directly)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")

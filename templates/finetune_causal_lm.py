@@ -42,8 +42,8 @@ import common
 from common.accelerator import Throughput, end_run, release_process_group, start_run
 from common.checkpoint import CheckpointManager
 from common.config import RunOptions, _did_you_mean, option, parse_config
-from common.data import (DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders, split_by_key,
-                         unpackable)
+from common.data import (RECORD_KEYS, DataSource, PackedCollate, PackedExamples, PadToLongest, Rows, build_loaders,
+                         split_by_key, unpackable)
 from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
 from common.export import export_pretrained
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate, warmup_cosine,
@@ -417,7 +417,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ckpt = CheckpointManager.for_run(  # saves in the background (--checkpoint_background)
         accelerator, cfg, template="finetune_causal_lm", metric="val/loss", mode="min",
         model_info={"model": cfg.model, "data": kind, "lora_r": cfg.lora_r},
-        length="max_steps", total_steps=cfg.max_steps)  # a resume may train longer: the schedule then follows
+        length="max_steps", total_steps=cfg.max_steps,  # a resume may train longer: the schedule then follows
+        settings={"records split by": RECORD_KEYS} if kind != "text" else None)  # an older run's records split apart
     state = ckpt.resume(cfg.resume)  # also gives each rank its own dropout stream
     status = RunStatus(accelerator, cfg.output_dir, state, ckpt)  # status.json: running (step: last checkpoint), end
     tracker = Tracker.for_run(accelerator, cfg, resume_step=state.step)  # W&B, metrics.jsonl: main process

@@ -179,6 +179,43 @@ def test_every_kind_of_file_gives_the_same_examples_and_the_same_stable_split(tm
     assert not list((tmp_path / "saved").glob("cache-*"))  # nothing written into the user's dataset folder
 
 
+def held_out(path: Path, tokenizer) -> list:
+    """The validation examples of the stable hash split of the records at `path`, in a comparable order."""
+    train, val, _ = ft().load_examples(ft().Config(data_path=str(path), val_fraction=0.1), tokenizer)
+    assert train and val
+    return sorted((e.input_ids, e.labels) for e in val)
+
+
+def test_the_same_records_split_alike_however_written_and_in_whatever_format(tmp_path, tokenizers, offline_hub):
+    """The same records are the same JSON values, a null field the same as an absent one (`datasets` fills a column
+    a record lacks with None): JSONL with compact or default separators, non-ASCII escaped or not, and parquet hold
+    the same records, and hold out the same ones (a record's key was its line as written: 113 of 600 moved)."""
+    import datasets
+
+    tokenizer = tokenizers["chatml"]
+    records = reverse_task(600)
+    for number, record in enumerate(records[::7]):  # some with a field the others lack: None in parquet
+        record["source"] = f"batch {number}"
+    written = {"default": lambda r: json.dumps(r), "compact": lambda r: json.dumps(r, separators=(",", ":")),
+               "unescaped": lambda r: json.dumps(r, ensure_ascii=False, indent=None, separators=(", ", ": "))}
+    for name, dump in written.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(dump(r) + "\n" for r in records), encoding="utf-8")
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "records.parquet"))
+    assert datasets.Dataset.from_parquet(str(tmp_path / "records.parquet"))[1]["source"] is None  # absent there
+    expected = held_out(tmp_path / "default.jsonl", tokenizer)
+    for path in (*(tmp_path / f"{name}.jsonl" for name in written), tmp_path / "records.parquet"):
+        assert held_out(path, tokenizer) == expected, path.name
+
+    # chats with non-ASCII text: JSONL written unescaped, as most writers do, and parquet
+    chats = multi_turn_chats(300)
+    for number, chat in enumerate(chats[::2]):
+        chat["messages"][1]["content"] = f"mot n°{number}: {chat['messages'][1]['content']} — «ça»"
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats),
+                                          encoding="utf-8")
+    datasets.Dataset.from_list(chats).to_parquet(str(tmp_path / "chats.parquet"))
+    assert held_out(tmp_path / "chats.jsonl", tokenizer) == held_out(tmp_path / "chats.parquet", tokenizer)
+
+
 def test_a_text_column_is_learned_whole_in_windows_of_max_length(tmp_path, tokenizers, offline_hub):
     import datasets
 
@@ -292,6 +329,31 @@ def test_a_parquet_source_resumes_bit_exactly(tmp_path, tiny_model, monkeypatch)
         ft().main([*common, "--output_dir", str(tmp_path / out), *extra])
     whole, parts = (load_file(str(tmp_path / out / "model" / "model.safetensors")) for out in ("whole", "parts"))
     assert whole.keys() == parts.keys() and all((whole[k] == parts[k]).all() for k in whole)
+
+
+def test_a_run_split_by_the_older_record_keys_is_refused_on_resume_not_split_anew(tmp_path, tiny_model, monkeypatch,
+                                                                                  capsys):
+    """A checkpoint records that its run split records by their content; one without it (a run started when a
+    record's key was its line as written) would hold out other records now, so it is refused in one line."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reverse_task(100)))
+    run = ["--model", str(tiny_model), "--data_path", str(tmp_path / "data.jsonl"), "--tracker", "none",
+           "--max_steps", "4", "--batch_size", "8", "--eval_every_steps", "0", "--sample_tokens", "0",
+           "--output_dir", str(tmp_path / "run")]
+    start_clean_accelerate(monkeypatch)
+    ft().main([*run, "--stop_after_steps", "2"])
+    progress = next((tmp_path / "run" / "checkpoints").glob("step_*/progress.json"))
+    saved = json.loads(progress.read_text())
+    assert saved["config"]["records split by"] == "content as canonical JSON"
+    del saved["config"]["records split by"]  # as the older version wrote it
+    progress.write_text(json.dumps(saved))
+    capsys.readouterr()
+    start_clean_accelerate(monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        ft().main(run)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]  # not the bars
+    assert info.value.code == 2 and len(errors) == 1, errors  # of loading the weights
+    assert f"checkpoint {progress.parent} belongs to a run with other settings: records split by (not set) there, " \
+           '"content as canonical JSON" now.' in errors[0]
 
 
 STEPS = ("--max_steps", "16", "--eval_every_steps", "8", "--batch_size", "8", "--warmup_steps", "2",
