@@ -380,8 +380,9 @@ def model_flops_utilization(flops_per_s: float, devices: int, peak_tflops: float
 class Throughput:
     """What the log says about speed, over the micro-batches trained since the last reading (`restart`
     leaves evaluation out): items per second, the share of the time spent waiting for the next batch
-    (`time/data_wait`), the time per optimizer step, the peak memory, and MFU where the device's peak is
-    known. The loop iterates through `timed(batches)`, which counts the batches and times each wait.
+    (`time/data_wait`), the time per optimizer step, the items per optimizer step (every process's: what
+    `scripts/plot_runs.py --x` counts), the peak memory, and MFU where the device's peak is known. The loop
+    iterates through `timed(batches)`, which counts the batches and times each wait.
 
     A loop that waits for data more than `DATA_WAIT_WARNING` of the time in two log intervals in a row
     gets one warning naming --num_workers: the GPU idles while the loader works (the practitioner's
@@ -425,7 +426,9 @@ class Throughput:
         """The figures since the last reading (see the class); the next interval starts."""
         elapsed = time.perf_counter() - self.start
         per_s = float(self.items) * self.processes / elapsed  # every process trains as many
-        figures = {f"{self.unit}_per_s": per_s, "time/data_wait": self.waited / elapsed,
+        per_step = float(self.items) * self.processes * self.accumulation / max(1, self.batches)
+        figures = {f"{self.unit}_per_s": per_s, f"{self.unit}_per_step": per_step,
+                   "time/data_wait": self.waited / elapsed,
                    "time/step_ms": 1000 * elapsed * self.accumulation / max(1, self.batches),
                    "peak_memory_gb": peak_memory_gb(self.device)}
         if self.flops_per_item:

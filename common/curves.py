@@ -6,6 +6,8 @@ accelerate or tqdm, so the plots are drawn on a machine without them.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
@@ -69,45 +71,67 @@ def best_checkpoint_step(output_dir: str | os.PathLike) -> int | None:
     return max(steps, default=None)
 
 
-def curves_figure(runs: dict[str, Series], best_steps: dict[str, int | None], title: str = ""):
-    """A matplotlib Figure (Agg canvas, no display) with the panels of `curve_panels` against step: one line a
-    metric, in one colour a run when there are several (then line styles tell the metrics apart), and each
-    run's best checkpoint marked by a dotted vertical line."""
+def items_seen(series: Series, unit: str):
+    """A function of step: the items (`unit`: images, tokens) trained on up to that step, every process's, from the
+    `<unit>_per_step` a template logs with each training loss (each value covers the steps since the one logged
+    before); None where the run logged none (an older version)."""
+    if f"{unit}_per_step" not in series:
+        return None
+    steps, rates = series[f"{unit}_per_step"]
+    seen = list(itertools.accumulate((step - before) * rate for step, before, rate in zip(steps, [0, *steps], rates)))
+
+    def at(step: float) -> float:
+        i = min(bisect.bisect_left(steps, step), len(steps) - 1)  # the first logged step at or after: its rate
+        return seen[i] - (steps[i] - step) * rates[i]
+    return at
+
+
+def curves_figure(runs: dict[str, Series], best_steps: dict[str, int | None], title: str = "", x: str = "step"):
+    """A matplotlib Figure (Agg canvas, no display) with the panels of `curve_panels` against `x`: the optimizer step,
+    or the items seen (`items_seen`: "images", "tokens"), named under each panel. One line a metric, in one colour a
+    run when there are several (then line styles tell the metrics apart), each run's best checkpoint marked by a
+    dotted vertical line; each panel's legend beside it, outside the curves."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     panels = curve_panels(list(runs.values()))
     columns = 2 if len(panels) == 4 else min(3, max(1, len(panels)))
     rows = max(1, math.ceil(len(panels) / columns))
-    figure = Figure(figsize=(5.5 * columns, 3.6 * rows + (0.4 if title else 0)))
+    several = len(runs) > 1
+    figure = Figure()
     FigureCanvasAgg(figure)
     axes = list(figure.subplots(rows, columns, squeeze=False).flat)
-    # fixed margins: a layout engine (constrained, tight) measures every label first and doubles the drawing time
-    height = figure.get_figheight()
-    figure.subplots_adjust(left=0.7 / figure.get_figwidth(), right=0.98, wspace=0.25, hspace=0.55,
-                           bottom=0.5 / height, top=1 - (0.75 if title else 0.4) / height)
-    several = len(runs) > 1
     styles = ("-", "--", ":", "-.")
     for index, (ax, (panel, keys)) in enumerate(zip(axes, panels)):
         for r, (run, series) in enumerate(runs.items()):
+            to_x = (lambda step: step) if x == "step" else items_seen(series, x)
             for k, key in enumerate(keys):
                 if key not in series:
                     continue
                 steps, values = series[key]
                 name = key if not several else run if len(keys) == 1 else f"{run} {key}"
-                ax.plot(steps, values, label=name, color=f"C{r}" if several else f"C{k}",
+                ax.plot([to_x(step) for step in steps], values, label=name, color=f"C{r}" if several else f"C{k}",
                         linestyle=styles[k % len(styles)] if several else "-",
                         marker="o" if len(steps) <= 30 else None, markersize=3)
             best = best_steps.get(run)
             if best is not None:
                 first = f"best checkpoint{f' of {run}' if several else ''} (step {best})"
-                ax.axvline(best, color=f"C{r}" if several else "0.4", linestyle=":", linewidth=1.2,
+                ax.axvline(to_x(best), color=f"C{r}" if several else "0.4", linestyle=":", linewidth=1.2,
                            label=first if index == 0 else "_best checkpoint")
         ax.set_title(panel)
-        ax.set_xlabel("step")
+        ax.set_xlabel("optimizer step" if x == "step" else f"{x} seen (all processes)")
         ax.grid(alpha=0.3)
         if any(not label.startswith("_") for label in ax.get_legend_handles_labels()[1]):
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    # Each legend beside its panel, as wide as its longest label, before the next panel: fixed margins (a layout
+    # engine measures every label first and doubles the drawing time).
+    labels = [label for ax in axes for label in ax.get_legend_handles_labels()[1] if not label.startswith("_")]
+    legend, panel, gap = 0.6 + 0.075 * max(map(len, labels), default=0), 4.6, 0.9
+    width = 0.75 + columns * panel + (columns - 1) * (legend + gap) + legend + 0.1
+    figure.set_size_inches(width, 3.6 * rows + (0.4 if title else 0))
+    height = figure.get_figheight()
+    figure.subplots_adjust(left=0.75 / width, right=1 - (legend + 0.1) / width, wspace=(legend + gap) / panel,
+                           hspace=0.55, bottom=0.5 / height, top=1 - (0.75 if title else 0.4) / height)
     for ax in axes[len(panels):]:
         ax.axis("off")
     if not panels:

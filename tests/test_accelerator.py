@@ -145,6 +145,7 @@ def test_throughput_counts_items_of_all_processes_and_gives_mfu_only_with_a_peak
     assert figures["tokens_per_s"] == 2000.0
     assert figures["time/data_wait"] == pytest.approx(0.75 / 2)
     assert figures["time/step_ms"] == pytest.approx(2000.0)  # one optimizer step of 2 micro-batches
+    assert figures["tokens_per_step"] == 4000.0  # 2 micro-batches of 1000 tokens on each of 2 processes
     assert figures["mfu"] == pytest.approx(2000 * 6e6 / (2 * 1e12))
     assert figures["peak_memory_gb"] > 0
     assert meter.batches == 0 and meter.waited == 0  # the next interval started at the reading
@@ -160,8 +161,8 @@ def test_throughput_counts_items_of_all_processes_and_gives_mfu_only_with_a_peak
     for _ in tokens.timed([[1, 2], [3, 4]]):  # counted on the device: 10 tokens per process
         pass
     assert tokens.items.item() == 10 and tokens.read()["tokens_per_s"] > 0
-    assert set(Throughput(accelerator, "images", 10, 0).read()) == {"images_per_s", "time/data_wait", "time/step_ms",
-                                                                    "peak_memory_gb"}  # no peak, no MFU
+    assert set(Throughput(accelerator, "images", 10, 0).read()) == {"images_per_s", "images_per_step", "time/data_wait",
+                                                                    "time/step_ms", "peak_memory_gb"}  # no MFU
 
 
 # --- what a user reads last under `accelerate launch -q` (README, "Errors and exit codes") -------------------

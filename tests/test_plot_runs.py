@@ -81,3 +81,56 @@ def test_a_folder_without_metrics_jsonl_is_one_error_line_exit_2_and_nothing_wri
     assert done.stderr.splitlines() == [f"error: {bad}: no metrics.jsonl here; give run folders (a template's "
                                         "--output_dir)"], done.stderr
     assert done.stdout == "" and not (tmp_path / "out.png").exists() and not (good / "curves.png").exists()
+
+
+def test_runs_compare_against_the_images_they_trained_on_and_the_axis_says_which(tmp_path, monkeypatch, capsys):
+    """A 2-process run trains on twice the images a step: against the step it looks as if it learned faster; against
+    the images seen (`images_per_step`, logged with every training loss) the two line up."""
+    one, two = tmp_path / "one_process", tmp_path / "two_processes"
+    for folder, per_step in ((one, 64.0), (two, 128.0)):
+        folder.mkdir()
+        records = [{"step": step, "train/loss": 4.0 / (step * per_step), "lr": 0.001, "images_per_step": per_step}
+                   for step in (10, 20, 30)] + [{"step": 30, "val/loss": 1.0}]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    figures = []
+    real = curves.curves_figure
+    module = load_script()
+    monkeypatch.setattr(module, "curves_figure", lambda *args, **kwargs: figures.append(real(*args, **kwargs))
+                        or figures[-1])
+    for x in ("step", "images"):
+        module.main([str(one), str(two), "--x", x, "-o", str(tmp_path / f"{x}.png")])
+    by_step, by_images = figures
+    assert {ax.get_xlabel() for ax in by_step.axes if ax.get_title()} == {"optimizer step"}
+    assert {ax.get_xlabel() for ax in by_images.axes if ax.get_title()} == {"images seen (all processes)"}
+    loss = next(ax for ax in by_images.axes if ax.get_title() == "loss")
+    lines = {line.get_label(): list(line.get_xdata()) for line in loss.get_lines()}
+    assert lines[f"{one} train/loss"] == [640, 1280, 1920] and lines[f"{two} train/loss"] == [1280, 2560, 3840]
+    assert lines[f"{two} val/loss"] == [3840]
+    plain = write_run(tmp_path / "older", [3.0, 2.0])  # no images_per_step: a run of an older version
+    result = subprocess.run([sys.executable, str(SCRIPT), str(one), str(plain), "--x", "images"], env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: --x images: {plain} logged no images_per_step (another template's unit, or a run of an older "
+        "version): plot against --x step"]
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_every_legend_stands_beside_its_panel_and_covers_no_curve(tmp_path, several):
+    """The legend's box, as drawn, overlaps no panel's (its own curves, nor the next panel's), and stays in the
+    picture: with one run, and with several whose long folder names make long labels."""
+    names = ["runs/a_long_folder_name_of_a_run/lr_0.001", "runs/b_long_folder_name_of_a_run/lr_0.002"]
+    runs = {}
+    for r, name in enumerate(names[: 1 + several]):
+        records = [{"step": s, "train/loss": 3.0 / s + r, "lr": 0.001, "images_per_s": 100.0 + s} for s in range(1, 40)]
+        records += [{"step": s, "val/loss": 3.2 / s + r, "val/accuracy": s / 40 + r / 10} for s in range(5, 40, 5)]
+        runs[name] = curves.metric_series(records)
+    figure = curves.curves_figure(runs, {names[0]: 20}, title="compare")
+    figure.canvas.draw()
+    panels = [ax for ax in figure.axes if ax.get_title()]
+    legends = [ax.get_legend() for ax in panels if ax.get_legend() is not None]
+    assert len(legends) >= 2
+    picture = figure.bbox
+    for legend in legends:
+        box = legend.get_window_extent()
+        assert not any(box.overlaps(ax.get_window_extent()) for ax in panels), box
+        assert picture.x0 <= box.x0 and box.x1 <= picture.x1 and picture.y0 <= box.y0 and box.y1 <= picture.y1
