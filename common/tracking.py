@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shlex
+import stat
 import sys
 import time
 import uuid
@@ -425,11 +426,14 @@ class LinesOnly:
 
 def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: str = "train") -> tqdm:
     """A tqdm bar on the main process only; the other ranks get a disabled one with the same API. Where stderr is
-    not a terminal, it writes a line where it would redraw itself: at each logged loss, and at most every 30 s between
+    not a terminal, it writes a line where it would redraw itself: at each logged loss, and every 30 to 60 s between
     (`LinesOnly`); where stdout is not one, its lines are written as they end, so that they land in a log file in
     order among the bar's (Python writes a file's stdout in blocks)."""
     if not sys.stdout.isatty():
         sys.stdout.reconfigure(line_buffering=True)
-    terminal = sys.stderr.isatty()
+    # accelerate's launcher of one process reads our stderr through a pipe (to repeat its tail after a failure) and
+    # writes it to its own: there a terminal shows on stdout only, which the launcher leaves us
+    terminal = sys.stderr.isatty() or (sys.stdout.isatty() and stat.S_ISFIFO(os.fstat(sys.stderr.fileno()).st_mode))
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.1 if terminal else 30,
+                maxinterval=10 if terminal else 60,  # the interval of tqdm's own refresh of a bar in a slow stretch
                 file=sys.stderr if terminal else LinesOnly(sys.stderr), disable=not accelerator.is_main_process)

@@ -524,3 +524,37 @@ def test_in_a_log_file_every_log_line_starts_a_line_of_its_own(tmp_path):
         assert all(step <= 22 * epoch for at, step in bar if at < number), text
         assert all(step >= 22 * epoch for at, step in bar if at > number), text
     assert lines.index(next(line for line in lines if line.startswith("train:"))) > 1  # after the lines before it
+
+
+def test_in_a_terminal_the_bar_redraws_itself_in_place_under_accelerate_launch(tmp_path):
+    """The other side of the log file: in a terminal the bar stays live (carriage returns, one line redrawn), though
+    accelerate's launcher hands the template a pipe for stderr; evaluation lines still start lines of their own."""
+    import subprocess
+
+    from conftest import CONFIGS, REPO, clean_env
+    from search.sweep import free_port
+
+    env = clean_env()
+    env.pop("PYTHONUNBUFFERED")
+    terminal, child_side = os.openpty()
+    launched = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu.yaml"),
+         "--main_process_port", str(free_port()), str(REPO / "templates" / "image_classification.py"),
+         "--epochs", "2", "--width", "8", "--depth", "1", "--tracker", "none", "--output_dir", str(tmp_path / "run")],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=child_side, stderr=child_side)
+    os.close(child_side)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:  # the terminal's other side closed: the launcher is gone
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(terminal)
+    assert launched.wait(timeout=300) == 0, shown[-2000:]
+    text = shown.decode().replace("\r\n", "\n")  # the terminal's own line ends
+    assert text.count("\rtrain:") > 4, text[-2000:]  # redrawn in place
+    pieces = text.replace("\r", "\n").split("\n")  # a terminal shows what follows a carriage return from the left
+    assert [piece.split(":")[0] for piece in pieces if piece.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"]
