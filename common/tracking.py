@@ -429,7 +429,7 @@ def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: s
     not a terminal, it writes a line where it would redraw itself: at each logged loss, and every 30 to 60 s between
     (`LinesOnly`); where stdout is not one, its lines are written as they end, so that they land in a log file in
     order among the bar's (Python writes a file's stdout in blocks)."""
-    if not sys.stdout.isatty():
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # (a notebook's stream has none)
         sys.stdout.reconfigure(line_buffering=True)
     # accelerate's launcher of one process reads our stderr through a pipe (to repeat its tail after a failure) and
     # writes it to its own: there a terminal shows on stdout only, which the launcher leaves us
