@@ -405,12 +405,16 @@ def launch_text(config: str, script: str, args: list[str]) -> str:
     return shlex.join(["accelerate", "launch", "-q", "--config_file", f"accelerate_configs/{config}", script, *args])
 
 
-def run_killable(command: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_killable(command: list[str], *, cwd: Path, env: dict, timeout: float,
+                 memory: "TreeMemory | None" = None) -> subprocess.CompletedProcess:
     """subprocess.run(command, capture_output=True, text=True, timeout=timeout), except that a timeout (or a
     Ctrl-C) kills the whole process group: `accelerate launch` starts the training process as its own child,
-    which killing the launcher alone would leave running, holding the GPU the next run needs."""
+    which killing the launcher alone would leave running, holding the GPU the next run needs. With `memory`, its
+    sampler watches the command's process tree from start to exit."""
     with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:
+        if memory is not None:
+            memory.start(process.pid)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except BaseException as error:
@@ -420,7 +424,64 @@ def run_killable(command: list[str], *, cwd: Path, env: dict, timeout: float) ->
             if isinstance(error, subprocess.TimeoutExpired):
                 raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
             raise
+        finally:
+            if memory is not None:
+                memory.stop()
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+class TreeMemory:
+    """Peak resident memory of a process and all its descendants (Linux /proc), sampled in a thread every
+    `interval` s: `peak` is the largest sum of their RSS seen at one sample (a sampled figure: a peak shorter
+    than the interval can be missed), `peak_process` the largest single process's own high-water mark (VmHWM,
+    kept by the kernel: exact, but only for that process), as last read while it ran."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval, self.peak, self.peak_process = interval, 0, 0
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._done = None
+        self._thread = None
+
+    def _tree(self, pid: int) -> list[int]:
+        pids, todo = [], [pid]
+        while todo:  # /proc/<pid>/task/<tid>/children: the children of each thread (Linux 3.5+)
+            current = todo.pop()
+            pids.append(current)
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{current}/task"):
+                    with contextlib.suppress(OSError), open(f"/proc/{current}/task/{task}/children") as file:
+                        todo += [int(child) for child in file.read().split()]
+        return pids
+
+    def _sample(self, pid: int) -> None:
+        total = 0
+        for member in self._tree(pid):
+            # a process may exit between the listing and the reading (a zombie has no VmHWM line): it counts 0
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{member}/statm") as file:
+                    total += int(file.read().split()[1]) * self._page
+                with open(f"/proc/{member}/status") as file:
+                    hwm = [line.split()[1] for line in file if line.startswith("VmHWM:")]
+                self.peak_process = max(self.peak_process, int(hwm[0]) * 1024 if hwm else 0)
+        self.peak = max(self.peak, total)
+
+    def start(self, pid: int) -> None:
+        import threading
+
+        self._done = threading.Event()
+
+        def loop():
+            while not self._done.wait(self.interval):
+                self._sample(pid)
+
+        self._sample(pid)
+        self._thread = threading.Thread(target=loop, name="tree-memory", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
 
 
 def launch(config: str, template: str, args: list[str], *, probe_prefix: Path | None, num_processes: int | None = None,
@@ -524,21 +585,19 @@ def template_intervals(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def completion_loss(model_dir: Path, tokenizer_dir: Path, examples: list[dict]) -> float:
-    """Validation loss per completion token of an exported model (from_pretrained, fp32, no accelerate): each
-    example alone (no padding), the prompt's tokens not counted, the completion's and EOS counted: the one
-    evaluator for every arm, whatever trained it."""
+    """Validation loss per completion token of an exported model (fp32, no accelerate; a LoRA adapter on the model
+    of `tokenizer_dir`): each example alone (no padding), the prompt's tokens not counted, the completion's counted
+    (with EOS; chat: the end of turn): the one evaluator for every arm, whatever trained it."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_export(model_dir, tokenizer_dir)
     total, count = 0.0, 0
     with torch.no_grad():
         for example in examples:
-            prompt = tokenizer(example["prompt"])["input_ids"]
-            completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + \
-                [tokenizer.eos_token_id]
+            prompt, completion = prompt_and_completion_ids(tokenizer, example)
             ids = torch.tensor([prompt + completion])
             logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
             total += F.cross_entropy(logits, torch.tensor(completion), reduction="sum").item()
@@ -556,7 +615,88 @@ def rows_for_examples(model_dir: Path, data_dir: Path, examples_per_step: int, m
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     examples = read_jsonl(data_dir / "train.jsonl")
-    lengths = [len(tokenizer(e["prompt"])["input_ids"]) + len(tokenizer(e["completion"])["input_ids"]) + 1
-               for e in examples]
+    lengths = [sum(map(len, prompt_and_completion_ids(tokenizer, e))) for e in examples]
     per_row = len(examples) / len(pack(lengths, max_length))
     return max(1, round(examples_per_step / per_row)), per_row
+
+
+# ------------------------------------------------------------------ a real model: SmolLM2 from its GGUF
+def gguf_to_folder(gguf: Path, folder: Path) -> Path:
+    """A plain Hugging Face folder (fp32 safetensors, tokenizer, chat template) from a GGUF file, which transformers
+    dequantizes to fp32 but refuses to save as such ("quantized with gguf and is not serializable"): the same
+    weights in a fresh model built from the config without its quantization_config. Both tools of a side by
+    side then load the same folder, in the same time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # the GGUF reader's own bars
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    del loaded
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def addition_chats(count: int, seed: int, terms: tuple[int, int] = (2, 5)) -> list[dict]:
+    """Chat examples in TRL's conversational prompt/completion columns: the user asks for the sum of 2-5 numbers
+    of 1-2 digits, the assistant answers with the number only (the lengths vary with the terms, so padded batches
+    carry some padding and packing has something to save)."""
+    import random
+
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        numbers = [rng.randint(1, 99) for _ in range(rng.randint(*terms))]
+        question = f"What is {' + '.join(map(str, numbers))}? Reply with the number only."
+        examples.append({"prompt": [{"role": "user", "content": question}],
+                         "completion": [{"role": "assistant", "content": str(sum(numbers))}]})
+    return examples
+
+
+def write_chat_task(folder: Path, *, train: int, val: int) -> Path:
+    """addition_chats as train.jsonl + validation.jsonl in `folder` (the split names both the template and
+    `datasets` read from the file names)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, count, seed in (("train", train, 0), ("validation", val, 1)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in addition_chats(count, seed)))
+    return folder
+
+
+def prompt_and_completion_ids(tokenizer, example: dict) -> tuple[list[int], list[int]]:
+    """An example's prompt tokens and the tokens the loss counts. Plain prompt/completion: the prompt (with BOS if
+    the tokenizer adds one), then the completion and EOS. Conversational: the prompt messages rendered with the
+    generation prompt, then what the chat template renders after them for the completion (end of turn included),
+    each part tokenized alone, as both tools split them."""
+    if isinstance(example["prompt"], str):
+        return (tokenizer(example["prompt"])["input_ids"],
+                tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    context = tokenizer.apply_chat_template(example["prompt"], tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(example["prompt"] + example["completion"], tokenize=False)
+    if not whole.startswith(context):
+        raise ValueError(f"the chat template does not render the completion after its prompt: {whole!r}")
+    return (tokenizer(context, add_special_tokens=False)["input_ids"],
+            tokenizer(whole[len(context):], add_special_tokens=False)["input_ids"])
+
+
+def load_export(export: Path, base: Path):
+    """An exported model in fp32 for evaluation: a full model folder, or a LoRA adapter on the base model `base`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights", between the bench's lines
+    if (export / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        return PeftModel.from_pretrained(model, export).eval()
+    return AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()

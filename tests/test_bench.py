@@ -115,6 +115,45 @@ def test_finetune_vs_trl_dry_run_gives_both_tools_the_same_training():
     assert padding_free["padding_free"] == "true" and "packing" not in padding_free
 
 
+def test_finetune_vs_trl_real_model_dry_run_shares_the_training_and_keeps_each_tools_defaults():
+    """The real-model arms (no model or TRL needed for --dry-run): full and LoRA, padded and packed, each template
+    arm beside its TRL arm with the same steps, batch, length, learning rate, schedule, seed and LoRA; the template
+    keeps its defaults for evaluation, sample answers and checkpoints, and TRL its own (no evaluation, no save
+    options), as a user runs each."""
+    from conftest import load_template
+
+    lines = run("bench/finetune_vs_trl.py", "--dry-run", "--model", "smollm2").stdout.splitlines()
+    assert len(lines) == 8, lines
+    config = load_template("finetune_causal_lm").Config()
+    tunings = set()
+    for ours_line, theirs_line in zip(lines[::2], lines[1::2]):
+        assert " templates/finetune_causal_lm.py " in ours_line and " bench/trl_sft.py " in theirs_line
+        ours, theirs = options(ours_line), options(theirs_line)
+        for mine, trl in (("max_steps", "max_steps"), ("batch_size", "per_device_train_batch_size"),
+                          ("learning_rate", "learning_rate"), ("warmup_steps", "warmup_steps"), ("seed", "seed"),
+                          ("max_length", "max_length"), ("data_path", "dataset_name"),
+                          ("model", "model_name_or_path"), ("log_every_steps", "logging_steps")):
+            assert ours[mine] == theirs[trl], (mine, ours, theirs)
+        assert ours.get("packing") == theirs.get("packing"), (ours, theirs)
+        lora = "lora_r" in ours
+        tunings.add("lora" if lora else "full")
+        assert (theirs.get("use_peft") == "true") == lora
+        if lora:
+            for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):
+                assert ours[name] == theirs[name], name
+            assert float(ours["learning_rate"]) > float(lines[0].split("--learning_rate ")[1].split()[0])
+        assert theirs["bf16"] == "false" and theirs["gradient_checkpointing"] == str(
+            config.gradient_checkpointing).lower()
+        assert (theirs["adam_beta1"], theirs["adam_beta2"], theirs["max_grad_norm"]) == ("0.9", "0.95",
+                                                                                       str(config.grad_clip))
+        # each tool's defaults around training: nothing set that a user would not type
+        assert not {"eval_every_steps", "eval_samples", "sample_tokens", "checkpoint_every_steps",
+                    "checkpoint_background", "export_from"} & set(ours), ours
+        assert not {"eval_strategy", "eval_steps", "save_strategy", "save_steps"} & set(theirs), theirs
+    assert tunings == {"full", "lora"}
+    assert sum("--packing true" in line for line in lines) == 4
+
+
 def test_gpu_dry_run_builds_the_commands():
     out = run("bench/gpu.py", "--dry-run").stdout.splitlines()
     assert len(out) == 3
