@@ -15,7 +15,9 @@ import math
 import os
 import re
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -144,10 +146,10 @@ class Tracker:
             run_id = run_id_file.read_text().strip() if run_id_file.is_file() else uuid.uuid4().hex[:8]
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
+        start_wandb_service_apart()
         # quiet: no 20-line history and summary at the end (metrics.jsonl and the run page have them), and
         # one sync hint (ours, in finish) instead of two. The run's .wandb file is flushed every second (W&B's
-        # default is 15 s): `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every process the
-        # run started, W&B's service too, which then writes nothing more, so at most the last second is lost.
+        # default is 15 s), should W&B's service end before the run finishes it (where it is started by W&B itself).
         # The configuration goes with wandb.init (accelerate's store_init_configuration would update it after).
         tracker = self._on_this_process(WandBTracker(
             project, config=config, dir=str(self.output_dir), mode=mode,
@@ -370,6 +372,36 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def start_wandb_service_apart(timeout_s: float = 30.0) -> None:
+    """Start W&B's service outside this process's tree, for wandb.init to connect to (through WANDB_SERVICE).
+
+    `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every descendant of the training process at once.
+    W&B's service, started by wandb.init as a child, died then before the run could end its W&B run: the W&B run lost
+    the steps of its last second, and the run's next W&B call (at its last evaluation, say) failed it with
+    "ConnectionResetError: Connection lost". Started by a shell that exits at once, the service is no one's child
+    here, in a session of its own (no signal to the run's process group reaches it either); it still ends with this
+    process: 5 s after its last client (this process) is gone. Where W&B's internals differ, W&B starts it as before."""
+    if os.environ.get("WANDB_SERVICE") or not hasattr(os, "fork"):
+        return  # a service this process (or its parent) started already; or Windows, where no tree is terminated
+    try:
+        from wandb.sdk.lib.service import service_port_file
+        from wandb.util import get_core_path
+
+        with tempfile.TemporaryDirectory() as folder:
+            port_file = Path(folder) / "port"
+            # detached: it does not watch the parent it would have (the shell); it ends 5 s after its last client
+            core = [get_core_path(), "--port-filename", str(port_file), "--detached", "--idle-timeout", "5s"]
+            subprocess.run(["sh", "-c", '"$@" </dev/null >/dev/null 2>&1 &', "sh", *core], check=True,
+                           start_new_session=True, timeout=timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while (token := service_port_file._poll_once(port_file)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if token is not None:
+            token.save_to_env()
+    except Exception:  # noqa: BLE001  (W&B's internals of another version: W&B starts its service itself)
+        return
 
 
 def not_a_lost_service_write(record: logging.LogRecord) -> bool:
