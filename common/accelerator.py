@@ -4,6 +4,7 @@ of the process group before Python shuts down."""
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import os
@@ -281,6 +282,8 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
                                     gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     timeout_s=cfg.timeout_s)
     accelerator.print(describe(accelerator))
+    if hasattr(faulthandler, "register"):  # `kill -USR2 <pid>`: every thread's stack on stderr (where a hung run waits)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     # SIGTERM / SIGUSR1 (or --stop_after_steps): checkpoint at the next step, then exit
     preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps)
     set_seed(cfg.seed)

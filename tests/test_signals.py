@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import read_status
-from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
+from conftest import CONFIGS, REPO, clean_env, free_port, launch, wait_for_no_processes
 from helpers import read_metrics, wandb_history_steps, write_tiny_corpus
 
 LM = REPO / "templates" / "language_model.py"
@@ -82,3 +82,30 @@ def test_sigterm_to_the_launcher_alone_keeps_every_step_in_the_wandb_offline_run
     assert last_lines(result.stderr)[-1] == (f"stopped at step {record['step']} by SIGTERM (preemption); "
                                              "checkpoint saved, continue with --resume auto")
     assert_clean_end(result, output)
+
+
+def test_a_launch_past_its_timeout_fails_with_the_stacks_of_its_processes_and_leaves_none(tmp_path):
+    """The suite tells a hang from slowness: a run that passes its timeout fails its test with every process's stacks
+    (py-spy where installed, else the templates' faulthandler on SIGUSR2), and all of them are killed."""
+    output = tmp_path / "run"
+    with pytest.raises(pytest.fail.Exception) as failed:
+        launch("cpu.yaml", REPO / "templates" / "image_classification.py", "--epochs", "1000", "--width", "8",
+               "--depth", "1", "--num_workers", "1", "--tracker", "none", "--output_dir", str(output), timeout=60)
+    message = str(failed.value)
+    assert "passed its 60 s timeout" in message and "image_classification.py" in message
+    assert re.search(r"(Thread 0x|Current thread 0x|Thread \d+ )", message), message[-3000:]  # a stack, per thread
+    assert wait_for_no_processes(str(output), timeout=10) == []
+
+
+def test_a_test_that_leaves_a_process_behind_fails_the_session(tmp_path):
+    """The session's end lists, kills and fails for every process a test left (tests/conftest.py)."""
+    (tmp_path / "test_leaves_one.py").write_text(
+        "import subprocess\n\n\ndef test_leaves_a_process(tmp_path):\n"
+        "    subprocess.Popen(['sleep', '1000'])  # a child never waited for\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                             str(tmp_path / "test_leaves_one.py"), "--rootdir", str(tmp_path)],
+                            cwd=tmp_path, env=clean_env(PYTHONPATH=f"{REPO / 'tests'}:{REPO}"), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "1 passed" in result.stdout and "processes left behind by the tests (killed now):" in result.stdout
+    assert re.search(r"\d+: sleep 1000", result.stdout), result.stdout[-2000:]
