@@ -6,7 +6,8 @@
 A trial is a tiny `accelerate launch -q` run of a template in a session of its own (a terminal's process group),
 on one cell: the language model on 1 process, 2 DDP ranks or 2 FSDP2 ranks (W&B offline on), the image classifier
 on 1 process or 2 DDP ranks. One signal comes at a moment drawn uniformly over the run's whole life, from its launch
-to 10% past the end of an uninterrupted run of the same cell (measured first), so start-up, loader start, training,
+to 10% past the end of an uninterrupted run of the same cell (measured first) for half the trials, and from the
+run's start (its status.json written) to the same end for the other half, so start-up, loader start, training,
 evaluation, checkpoint writes, the export and the end are all hit: SIGTERM or SIGINT to the launcher alone or to the
 whole process group, SIGUSR1 to rank 0, or SIGKILL to rank 0 or 1. A trial holds when
 - no process of the run is left 15 s after the launcher exits;
@@ -128,6 +129,7 @@ class Trial:
     cell: str
     what: str
     at: float
+    into_the_run: bool = False  # `at` counts from the run's start (its status.json), not from the launch
     sent: str = ""
     code: int | None = None
     state: str = "none"
@@ -138,6 +140,8 @@ def run_trial(trial: Trial, root: Path, corpus: Path, baseline: dict) -> Trial:
     output = root / f"trial{trial.index:04d}"
     launcher = subprocess.Popen(command(trial.cell, output, corpus), cwd=REPO, env=clean_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    while trial.into_the_run and not (output / "status.json").is_file() and launcher.poll() is None:
+        time.sleep(0.01)  # the moment counts from the run's start (status.json written), not the launch
     deadline = time.monotonic() + trial.at
     while time.monotonic() < deadline and launcher.poll() is None:
         time.sleep(0.01)
@@ -205,26 +209,36 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stress_signals_") as tmp:
         root = Path(tmp)
         corpus = write_tiny_corpus(root / "tiny.txt")
-        baselines, seconds = {}, {}
+        baselines, seconds, start_up = {}, {}, {}
         for cell in cells:  # an uninterrupted run of each cell: its length, and the model a resume must match
-            started = time.monotonic()
-            done = subprocess.run(command(cell, root / f"baseline-{cell}", corpus), cwd=REPO, env=clean_env(),
-                                  capture_output=True, text=True, timeout=300)
+            started, output = time.monotonic(), root / f"baseline-{cell}"
+            done = subprocess.Popen(command(cell, output, corpus), cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            while not (output / "status.json").is_file() and done.poll() is None:
+                time.sleep(0.01)
+            start_up[cell] = time.monotonic() - started
+            text, _ = done.communicate(timeout=300)
             seconds[cell] = time.monotonic() - started
             if done.returncode != 0:
-                print(f"the uninterrupted {cell} run failed:\n{done.stderr[-3000:]}")
+                print(f"the uninterrupted {cell} run failed:\n{text[-3000:]}")
                 return 1
             baselines[cell] = model_tensors(root / f"baseline-{cell}" / "model.safetensors")
-            print(f"baseline {cell}: {seconds[cell]:.1f} s", flush=True)
+            print(f"baseline {cell}: {seconds[cell]:.1f} s, {start_up[cell]:.1f} s of it before the run started",
+                  flush=True)
         trials = []
         for index in range(args.trials):
             cell = cells[index % len(cells)]
-            trial = Trial(index, cell, rng.choice(kinds), round(rng.uniform(0, 1.1 * seconds[cell]), 2))
+            # half the moments over the whole life from the launch; half over the run itself (start-up, imports
+            # above all, takes much of a tiny run's life on a busy machine)
+            into_the_run = rng.random() < 0.5
+            span = seconds[cell] - start_up[cell] if into_the_run else seconds[cell]
+            trial = Trial(index, cell, rng.choice(kinds), round(rng.uniform(0, 1.1 * span), 2), into_the_run)
             if cell.endswith("-1") and trial.what == "KILL rank1":
                 trial.what = "KILL rank0"
             run_trial(trial, root, corpus, None if args.no_resume else baselines[cell])
             trials.append(trial)
-            print(f"trial {index + 1:>4}/{args.trials} {cell:<10}{trial.what:<14} at {trial.at:5.2f} s ({trial.sent}): "
+            print(f"trial {index + 1:>4}/{args.trials} {cell:<10}{trial.what:<14} at {trial.at:5.2f} s "
+                  f"{'into the run' if trial.into_the_run else 'from launch'} ({trial.sent}): "
                   f"launcher {trial.code}, {trial.state}" + (f"  FAILED: {'; '.join(trial.problems)}"
                                                               if trial.problems else "  held"), flush=True)
     print(f"\n{'cell':<10}{'signal':<15}{'tried':>6}{'held':>6}{'pre-start':>11}")

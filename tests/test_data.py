@@ -219,6 +219,50 @@ def test_a_rank_killed_while_its_loader_worker_starts_leaves_nothing_behind(tmp_
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
+FORKED_FROM_A_THREAD = """
+import sys, threading, time
+import torch
+from torch.utils.data import TensorDataset
+sys.path.insert(0, {repo!r})
+from common.data import build_loader
+
+loader = build_loader(TensorDataset(torch.arange(8)), batch_size=2, train=False, seed=0, device=torch.device("cpu"),
+                      num_workers=1)
+threading.Thread(target=lambda: list(loader), daemon=True).start()  # the worker is forked from this thread
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_forked_from_another_thread_ends_with_its_process_killed_while_it_starts(tmp_path):
+    """A loader iterated from a thread other than the main one: Linux's parent-death signal would fire when that
+    thread ends, so it is not set; a worker whose process is killed while it starts must end all the same (the
+    stop-signal shield exits a worker whose parent is gone, where torch's watchdog would watch pid 1 for good)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WORKER_START)
+    script = tmp_path / "threaded.py"
+    script.write_text(FORKED_FROM_A_THREAD.format(repo=str(REPO)))
+    process = subprocess.Popen([sys.executable, str(script)], env=clean_env(PYTHONPATH=str(site),
+                               SLOW_WORKERS=str(tmp_path)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started := list(tmp_path.glob("worker-*"))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started, "no loader worker started"
+        worker = int(started[0].name.split("-")[1])
+        process.kill()  # while the worker sleeps through its start
+        process.wait()
+        deadline = time.monotonic() + 10  # its start (3 s) and a second of the shield's wait
+        while (alive := is_alive(worker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, "the loader worker outlived its process"
+    finally:
+        process.kill()
+        for line in processes_mentioning(str(script)):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
 def test_batch_size_checked():
     with pytest.raises(UsageError, match="batch_size must be at least 1, got 0"):
         build_loader(indices(4), batch_size=0, train=True, seed=0, device=CPU)
