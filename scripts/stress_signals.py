@@ -11,8 +11,9 @@ run's start (its status.json written) to the same end for the other half, so sta
 evaluation, checkpoint writes, the export and the end are all hit: SIGTERM or SIGINT to the launcher alone or to the
 whole process group, SIGUSR1 to rank 0, or SIGKILL to rank 0 or 1. A trial holds when
 - no process of the run is left 15 s after the launcher exits;
-- the launcher's exit code is one the README gives for it (0, 1, 130, 143; before the run starts, while the launcher
-  or a rank imports, -2 or -15 and a KeyboardInterrupt traceback, as any Python program: counted apart);
+- the launcher's exit code is one the README gives for it (0, 1, 130, 143; killed by the SIGINT or SIGTERM itself,
+  -2 or -15, which a shell reports as 130 or 143; before the run starts, while the launcher or a rank imports, a
+  KeyboardInterrupt traceback, as any Python program: counted apart);
 - status.json is absent (the signal came before the run started) or says how it ended: finished, stopped,
   preempted, failed with 130 (Ctrl-C) or 5 (a lost rank); `running` only when a rank was SIGKILLed (a crash);
 - no Python traceback and no C++ abort ("terminate called") in the output;
@@ -164,7 +165,8 @@ def run_trial(trial: Trial, root: Path, corpus: Path, baseline: dict) -> Trial:
     # Before the run starts (the launcher or a rank still importing) Python ends as any program does on a signal:
     # a KeyboardInterrupt traceback for SIGINT, death by SIGTERM. Counted apart ("before the start"), not failed.
     before_start = record is None and trial.sent == "sent"
-    if trial.code not in LAUNCHER_CODES and not (before_start and trial.code in (-2, -15)):
+    # died of the signal itself (after its handler was gone: its child had ended): a shell says 128 + n, 143 or 130
+    if trial.code not in LAUNCHER_CODES and trial.code not in (-2, -15):
         trial.problems.append(f"launcher exit {trial.code}")
     if before_start and "KeyboardInterrupt" in text:
         text = ""
