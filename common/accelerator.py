@@ -4,6 +4,7 @@ of the process group before Python shuts down."""
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import os
@@ -227,14 +228,15 @@ def end_run(accelerator: Accelerator, *, status, tracker, preemption: Preemption
     job script or W&B requeues it.
 
     `stopping`: the loop stopped for a stop signal or --stop_after_steps, and saved a checkpoint there. The reason
-    recorded (status.json, the stop line) is the signal the ranks agreed on at the last step, else
-    --stop_after_steps when `stopping`, else none; a template's own `reason` (early stopping) replaces it.
+    recorded (status.json, the stop line) is, when `stopping`, the signal the ranks agreed on at the last step, else
+    --stop_after_steps; none for a run that trained to its end (also if a signal came with its last step); a
+    template's own `reason` (early stopping) replaces it.
 
     The stop line comes after W&B's own lines, as the last one; on stderr when the run exits 75, since
     `accelerate launch` shows (without -q) the tail of stderr when a run exits with another code than 0.
     """
     if reason is None:
-        reason = preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps" if stopping else ""
+        reason = (preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps") if stopping else ""
     requeue = stopping and preemption.requeue
     status.end("preempted" if requeue else "stopped" if stopping else "finished", reason)
     tracker.finish(requeue=requeue, exit_code=EXIT_PREEMPTED if requeue else 0)
@@ -280,6 +282,8 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
                                     gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     timeout_s=cfg.timeout_s)
     accelerator.print(describe(accelerator))
+    if hasattr(faulthandler, "register"):  # `kill -USR2 <pid>`: every thread's stack on stderr (where a hung run waits)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     # SIGTERM / SIGUSR1 (or --stop_after_steps): checkpoint at the next step, then exit
     preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps)
     set_seed(cfg.seed)

@@ -5,6 +5,7 @@ folders, `save_to_disk` folders, Hub ids), and examples padded or packed into ba
 from __future__ import annotations
 
 import bisect
+import ctypes
 import hashlib
 import json
 import math
@@ -14,6 +15,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -25,14 +27,12 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampl
 from common.errors import UsageError
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # what launchers and Slurm send to stop a run
+_FORKED_BY: int | None = None  # in a worker forked through worker_context(): its training process, read before the fork
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed numpy and `random` in a loader worker from the seed torch gave it; shield it from stop signals.
-
-    torch derives each worker's seed from the loader's generator; libraries that keep their own
-    RNG (numpy, random) would otherwise start identically in every worker.
-    """
+    """Seed numpy and `random` in a loader worker from the seed torch gave it (libraries that keep their own RNG would
+    otherwise start identically in every worker); shield it from stop signals."""
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
@@ -41,41 +41,58 @@ def seed_worker(worker_id: int) -> None:
 
 
 def ignore_stop_signals_from_others() -> None:
-    """In a loader worker: ignore SIGTERM and SIGUSR1 unless the training process itself sends SIGTERM.
+    """In a loader worker: ignore SIGTERM and SIGUSR1 unless the training process sends SIGTERM; end with it.
 
-    Stop signals reach loader workers too: torchrun's agent signals each rank's whole process group,
-    accelerate's launcher the whole process tree, Slurm every process of the job. A worker killed by
-    one fails the training process ("DataLoader worker is killed by signal") before it can finish the
-    step and checkpoint (common.accelerator.PreemptionWatcher). The training process still ends its workers with
-    SIGTERM when it exits (multiprocessing does), and SIGKILL ends them anyway, so only signals from
-    elsewhere are ignored: a thread waits for them (the sender's pid is known there) and exits the
-    worker for its parent's SIGTERM, as torch's own worker handler does. Linux only (sigwaitinfo).
-    A worker forked through `worker_context()` holds these signals blocked from its first instant, so one sent before
-    this runs (a launcher stopping every rank while a validation loader starts its workers) waits for it here.
+    Launchers and Slurm signal every process of a job; a worker killed by one would fail the training process
+    ("DataLoader worker is killed by signal") before it can checkpoint (common.accelerator.PreemptionWatcher). A thread
+    waits for them (the sender's pid is known there), exits for the parent's SIGTERM as torch's worker handler does,
+    and exits within a second once the training process is gone, whatever came (torch's watchdog reads the parent as
+    its loop starts: one gone by then leaves it watching pid 1 for good). Linux only. A worker forked through
+    `worker_context()` has these signals blocked from its first instant, so one sent before this runs waits here.
     """
-    if not hasattr(signal, "sigwaitinfo"):
+    if not hasattr(signal, "sigtimedwait"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started from here on inherit the mask
-    parent = os.getppid()
+    parent = _FORKED_BY or os.getppid()
 
     def wait() -> None:
         while True:
-            info = signal.sigwaitinfo(STOP_SIGNALS)
-            if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            info = signal.sigtimedwait(STOP_SIGNALS, 1.0)
+            if os.getppid() != parent or (info and info.si_signo == signal.SIGTERM and info.si_pid == parent):
                 os._exit(0)
 
     threading.Thread(target=wait, name="loader-stop-signals", daemon=True).start()
 
 
+def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
+    """In a process just forked by `parent`: have it die with `parent`, also if `parent` died already.
+
+    Linux's PR_SET_PDEATHSIG sends the signal when the thread that forked ends, so it is set only for a fork from the
+    main thread (whose end is the process's); the pid read before the fork catches a parent gone before this line."""
+    if forked_on_main_thread and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
-    """A loader worker forked with the stop signals blocked: the child keeps the mask of the thread that forks it."""
+    """A loader worker forked with the stop signals blocked (the child keeps the mask of the thread that forks it),
+    which ends with its training process: see `end_with_parent` and `ignore_stop_signals_from_others`."""
 
     def start(self) -> None:
+        self._forked_by = os.getpid()
+        self._forked_on_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # this thread only, for the fork
         try:
             super().start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def _bootstrap(self, *args, **kwargs):  # in the child, right after the fork
+        global _FORKED_BY
+        _FORKED_BY = self._forked_by
+        end_with_parent(self._forked_by, self._forked_on_main_thread)
+        return super()._bootstrap(*args, **kwargs)
 
 
 class _ShieldedForkContext(multiprocessing.context.ForkContext):
@@ -87,33 +104,20 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     worker starts with SIGTERM and SIGUSR1 blocked, until `ignore_stop_signals_from_others` waits for them. None (the
     default as it is) for spawn and forkserver, where a signal in a worker's first moments can still end it."""
     method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    return _ShieldedForkContext() if method == "fork" and hasattr(signal, "sigwaitinfo") else None
+    return _ShieldedForkContext() if method == "fork" and hasattr(signal, "sigtimedwait") else None
 
 
 def default_num_workers(local_processes: int | None = None) -> int:
     """Leave one core for the training process; share the rest between the processes on this machine.
-
-    `local_processes` defaults to LOCAL_WORLD_SIZE, which the launcher sets (ranks on other machines
-    have their own cores).
-    """
+    `local_processes` defaults to LOCAL_WORLD_SIZE, which the launcher sets (other machines have their own cores)."""
     if local_processes is None:
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(0, min(8, (cores - 1) // max(1, local_processes)))
 
 
-def build_loader(
-    dataset: Dataset,
-    *,
-    batch_size: int,
-    train: bool,
-    seed: int,
-    device: torch.device,
-    rank: int = 0,
-    num_workers: int = 0,
-    prefetch_factor: int = 2,
-    collate_fn=None,
-) -> DataLoader:
+def build_loader(dataset: Dataset, *, batch_size: int, train: bool, seed: int, device: torch.device, rank: int = 0,
+                 num_workers: int = 0, prefetch_factor: int = 2, collate_fn=None) -> DataLoader:
     """A DataLoader by the template rules; pass it to `accelerator.prepare`.
 
     - Only training data is shuffled, and only training drops the last incomplete batch.
@@ -134,17 +138,8 @@ def build_loader(
         # Workers that live across epochs skip the fork cost each epoch; prefetch keeps them ahead.
         extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker,
                  "multiprocessing_context": worker_context()}  # seed_worker shields them from stop signals
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=train,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        generator=worker_generator,
-        collate_fn=collate_fn,
-        **extra,
-    )
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=train, num_workers=num_workers,
+                      pin_memory=device.type == "cuda", generator=worker_generator, collate_fn=collate_fn, **extra)
 
 
 def build_loaders(accelerator, train_set: Dataset, val_set: Dataset, *, batch_size: int, seed: int,

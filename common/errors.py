@@ -135,15 +135,23 @@ def _release_process_group(release: Callable[[], None] | None, error: BaseExcept
     """Free the process group before Python shuts down (`release`: common.accelerator.release_process_group).
 
     The group is freed only once nothing refers to it, and the frames of a traceback keep main()'s
-    model alive: `error`'s are cleared first.
+    model alive: `error`'s are cleared first. A Ctrl-C meanwhile (a terminal's, or one a launcher passes on) is
+    ignored: main() has ended, and a KeyboardInterrupt here would end a finished run in a traceback.
     """
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
-    if release is not None:
+    if release is None:
+        return
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main_thread else None
+    try:
         release()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _report(message: str, code: int, every_rank: bool = False) -> None:

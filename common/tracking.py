@@ -16,7 +16,9 @@ import os
 import re
 import shlex
 import stat
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -102,6 +104,7 @@ class Tracker:
         self.run = None  # the W&B run, where W&B is on
         self.trackers: list = []  # accelerate's GeneralTracker objects, started (main process only)
         self.offline = False
+        self.wandb_service_pid: int | None = None  # W&B's service where this run started it (start_wandb_service_apart)
         self.started = time.time()
         self._handed_to: list | None = None  # the Accelerator's own list of trackers, which holds ours too
         if not self.enabled:
@@ -145,15 +148,19 @@ class Tracker:
             run_id = run_id_file.read_text().strip() if run_id_file.is_file() else uuid.uuid4().hex[:8]
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
+        self.wandb_service_pid = start_wandb_service_apart()  # None: W&B starts it, as its child
         # quiet: no 20-line history and summary at the end (metrics.jsonl and the run page have them), and
         # one sync hint (ours, in finish) instead of two. The run's .wandb file is flushed every second (W&B's
-        # default is 15 s): `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every process the
-        # run started, W&B's service too, which then writes nothing more, so at most the last second is lost.
+        # default is 15 s), should W&B's service end before the run finishes it (where it is started by W&B itself).
         # The configuration goes with wandb.init (accelerate's store_init_configuration would update it after).
-        tracker = self._on_this_process(WandBTracker(
-            project, config=config, dir=str(self.output_dir), mode=mode,
-            settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs))
-        tracker.start()
+        try:
+            tracker = self._on_this_process(WandBTracker(
+                project, config=config, dir=str(self.output_dir), mode=mode,
+                settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs))
+            tracker.start()
+        finally:
+            if self.wandb_service_pid:  # for this start only: a later run in this process gets a live one of its own
+                os.environ.pop("WANDB_SERVICE", None)
         self.run = tracker.run
         # W&B's client writes to its service through asyncio, which logs every write to a service that is gone
         # ("socket.send() raised exception."): after a Ctrl-C or SIGTERM the launcher ends the service with the run,
@@ -371,6 +378,39 @@ class Tracker:
         self.run = None
         if self.offline:
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
+
+
+def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
+    """Start W&B's service outside this process's tree, for wandb.init to connect to (through WANDB_SERVICE).
+
+    `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every descendant of the training process at once.
+    W&B's service, started by wandb.init as a child, died then before the run could end its W&B run: the W&B run lost
+    the steps of its last second, and the run's next W&B call (at its last evaluation, say) failed it with
+    "ConnectionResetError: Connection lost". Started by a shell that exits at once, the service is no one's child
+    here, in a session of its own (no signal to the run's process group reaches it either); it still ends with this
+    process: 5 s after its last client (this process) is gone. Where W&B's internals differ, W&B starts it as before.
+    Its pid when it did (WANDB_SERVICE then names it), else None."""
+    if os.environ.get("WANDB_SERVICE") or not hasattr(os, "fork"):
+        return None  # a service of the parent's (`wandb agent`'s); or Windows, where no tree is terminated
+    try:
+        from wandb.sdk.lib.service import service_port_file
+        from wandb.util import get_core_path
+
+        with tempfile.TemporaryDirectory() as folder:
+            port_file = Path(folder) / "port"
+            # detached: it does not watch the parent it would have (the shell); it ends 5 s after its last client
+            core = [get_core_path(), "--port-filename", str(port_file), "--detached", "--idle-timeout", "5s"]
+            shell = subprocess.run(["sh", "-c", '"$@" </dev/null >/dev/null 2>&1 & echo $!', "sh", *core], check=True,
+                                   start_new_session=True, timeout=timeout_s, capture_output=True, text=True)
+            deadline = time.monotonic() + timeout_s
+            while (token := service_port_file._poll_once(port_file)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if token is None:
+            return None
+        token.save_to_env()
+        return int(shell.stdout)
+    except Exception:  # noqa: BLE001  (W&B's internals of another version: W&B starts its service itself)
+        return None
 
 
 def not_a_lost_service_write(record: logging.LogRecord) -> bool:

@@ -3,6 +3,7 @@ loaded as modules, and the fixtures. The small readers and writers of files are 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -58,8 +59,85 @@ def launch(
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     command += [str(script), *args]
-    return subprocess.run(command, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_to_end(command, cwd=cwd or REPO, env=env or clean_env(), timeout=timeout)
+
+
+def run_to_end(command: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True)` in a session of its own; past `timeout` the test
+    fails with the stacks of every process of the run, which are then killed (`communicate_or_show_stacks`)."""
+    child = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    stdout, stderr = communicate_or_show_stacks(child, timeout)
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+def communicate_or_show_stacks(child: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`child.communicate(timeout)`; a run that passes its timeout fails the test with the stacks of every process of
+    it (a hang shows where it waits; slowness shows busy stacks), after which they are all killed. The stacks come
+    from py-spy where it is installed, else from the templates' faulthandler (SIGUSR2, common.accelerator.start_run)
+    on their stderr. `child` must lead a session of its own (start_new_session=True): its processes are found so,
+    also those orphaned on the way."""
+    try:
+        return child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    processes = run_processes(child.pid)
+    stacks = []
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    for pid, command in processes:
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60) \
+            if spy else None
+        if dump is not None and dump.returncode == 0:
+            stacks.append(f"--- {pid}: {command}\n{dump.stdout}")
+        elif "python" in command and "accelerate" not in command:  # py-spy missing or not allowed to trace
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR2)  # faulthandler in a template's processes (the launcher has none)
+    time.sleep(1)
+    for pid, _ in processes:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        stdout, stderr = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = "", "(its output pipes stayed open)"
+    processes_text = "\n".join(f"{pid}: {command}" for pid, command in processes)
+    pytest.fail(f"the run passed its {timeout} s timeout; its processes:\n{processes_text}\n{''.join(stacks)}"
+                f"\nstdout tail:\n{stdout[-3000:]}\nstderr tail (with the stacks faulthandler printed where py-spy "
+                f"is not installed):\n{stderr[-20000:]}", pytrace=False)
+
+
+def _proc_stat(pid: str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, session, ..."""
+    return (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def run_processes(leader: int) -> list[tuple[int, str]]:
+    """The live processes of the session `leader` leads, and their descendants: (pid, command line)."""
+    found: dict[int, str] = {}
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid, _, session = _proc_stat(entry.name)[:4]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except (OSError, IndexError, ValueError):
+            continue
+        if state in ("Z", "X"):
+            continue
+        parents[int(entry.name)] = int(ppid)
+        if int(session) == leader or int(entry.name) == leader:
+            found[int(entry.name)] = command
+    changed = True
+    while changed:  # descendants in sessions of their own (W&B's service where W&B starts it)
+        changed = False
+        for pid, ppid in parents.items():
+            if ppid in found and pid not in found:
+                with contextlib.suppress(OSError):
+                    found[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                        errors="replace")[:200]
+                    changed = True
+    return sorted(found.items())
 
 
 CTRL_C_LINE = "error: interrupted by Ctrl-C; the checkpoints saved before are intact: continue with --resume auto"
@@ -73,7 +151,7 @@ def interrupt_like_ctrl_c(cmd: list[str], ready) -> tuple[int, str]:
     try:
         ready(child)
         os.killpg(child.pid, signal.SIGINT)
-        _, stderr = child.communicate(timeout=120)
+        _, stderr = communicate_or_show_stacks(child, 120)
     finally:
         child.kill()
     return child.returncode, stderr
@@ -109,6 +187,53 @@ def wait_for_no_processes(marker: str, timeout: float = 20) -> list[str]:
     while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
+
+
+def descendants(pid: int) -> list[str]:
+    """The live descendants of process `pid`, as 'pid: cmdline'."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                state, ppid = _proc_stat(entry.name)[:2]
+                if state not in ("Z", "X"):
+                    parents[int(entry.name)] = int(ppid)
+                    commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                        errors="replace")[:200]
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return [f"{child}: {commands[child]}" for child in sorted(found)]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test leaves a process behind: after the tests, every process started under this session's temporary folder
+    (the runs' output folders are there; loader workers carry their rank's command line) and every descendant of this
+    process must be gone within 20 s (W&B's service ends 5 s after its run), else they are listed, killed, and the
+    session fails. The controller of `pytest -n` leaves its workers' descendants to them."""
+    marker = str(session.config._tmp_path_factory.getbasetemp())
+    controller = os.environ.get("PYTEST_XDIST_WORKER") is None and bool(getattr(session.config.option, "numprocesses",
+                                                                                 None))
+    deadline = time.monotonic() + 20
+    while True:
+        # W&B's service, where a test's own wandb.init started it as a child, serves this process to its exit
+        children = [line for line in ([] if controller else descendants(os.getpid())) if "wandb-core" not in line]
+        left = sorted(set(processes_mentioning(marker)) | set(children))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if left:
+        for line in left:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = "processes left behind by the tests (killed now):\n" + "\n".join(left)
+        if reporter is not None:
+            reporter.write_line(text, red=True)
+        else:
+            print(text, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def copy_template_alone(name: str, root: Path) -> tuple[Path, dict[str, str]]:

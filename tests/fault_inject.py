@@ -15,6 +15,8 @@ steps of this session) and, on the chosen rank (default: every rank), at FAULT_S
     signal_launcher  send FAULT_SIGNAL to the parent process, the launcher (torchrun's agent or
                accelerate's single-process launcher), which passes it on to every training process
                (and their loader workers) in its own way; they stop at a step >= FAULT_STEP
+    signal_group  send FAULT_SIGNAL to this process's whole process group (a terminal's Ctrl-C, `kill -- -PGID`,
+               `scancel`): the launcher, every rank and their loader workers at once
     stop       SIGSTOP this process just before step FAULT_STEP: a rank that hangs
     enospc     the first checkpoint save at a step >= FAULT_STEP writes part of a file, then fails
                with OSError(ENOSPC) on this rank
@@ -44,8 +46,10 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -146,14 +150,39 @@ torch.optim.AdamW.step = step
 real_clip = Accelerator.clip_grad_norm_
 
 
+def wait_for_the_launcher(timeout_s: float = 5.0) -> None:
+    """After a signal to the process group: wait until W&B's service, where it is a child of this process, has gone.
+    accelerate's single-process launcher answers the signal by terminating every descendant of this process; the run
+    goes on once it has (the moment of a real signal when the run's next step is slower than the launcher)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(b"wandb-core" in command for command in children_commands()):
+        time.sleep(0.05)
+
+
+def children_commands() -> list[bytes]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if entry.name.isdigit() and int(stat[1]) == os.getpid() and stat[0] not in ("Z", "X"):
+                found.append((entry / "cmdline").read_bytes())
+        except (OSError, IndexError):
+            continue
+    return found
+
+
 def clip_grad_norm_(self, parameters, *args, **kwargs):
     parameters = list(parameters)  # a generator (model.parameters()) is read here and by the real clip
     # A stop signal arrives during the step (here: after its backward passes, before the optimizer step). The
     # ranks agree on stop signals in the step's check before the optimizer step, so they stop after this one.
-    if ACTS and not calls["fired"] and FAULT in ("signal", "signal_launcher") and global_step() == AT:
+    if ACTS and not calls["fired"] and FAULT in ("signal", "signal_launcher", "signal_group") and global_step() == AT:
         calls["fired"] = True
-        target = os.getpid() if FAULT == "signal" else os.getppid()
-        os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
+        signum = getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM"))
+        if FAULT == "signal_group":  # from another process, as a terminal's or scancel's (the workers know the pid)
+            subprocess.run(["sh", "-c", f"kill -s {signum.name[3:]} -- -{os.getpgid(0)}"], check=False)
+            wait_for_the_launcher()
+        else:
+            os.kill(os.getpid() if FAULT == "signal" else os.getppid(), signum)
     if ACTS and not calls["fired"] and FAULT == "nan_grad" and global_step() == AT:
         calls["fired"] = True
         biggest = max((p for p in parameters if p.grad is not None), key=lambda p: p.numel())

@@ -39,6 +39,8 @@ from conftest import (
 )
 from helpers import snapshot, wandb_history_steps
 
+from common.errors import read_status
+
 IMAGE = REPO / "templates" / "image_classification.py"
 LM = REPO / "templates" / "language_model.py"
 FAKE = REPO / "tests" / "fake_trial.py"
@@ -385,6 +387,10 @@ def test_ctrl_c_is_one_line_and_exit_130(program, data, tmp_path):
         command(program, [*tiny(program, data), *longer, "--output_dir", str(tmp_path / "run")]), in_the_loop)
     assert code == 130, stderr[-3000:]
     assert error_lines(stderr) == [CTRL_C_LINE], stderr[-3000:]
+    # status.json says so too (a job script reads it: the launcher's exit code is no guide), not `running`
+    record = read_status(tmp_path / "run")
+    assert (record["state"], record["exit_code"]) == ("failed", 130), record
+    assert "error: " + record["error"] == CTRL_C_LINE, record
 
 
 def test_ctrl_c_under_accelerate_launch_keeps_the_wandb_history_and_ends_with_the_one_line(tmp_path):

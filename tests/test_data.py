@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +30,8 @@ from common.data import (
     stable_fraction,
 )
 from common.errors import UsageError
-from conftest import REPO, launch, reset_accelerate_state
+from conftest import CONFIGS, REPO, clean_env, free_port, launch, processes_mentioning, reset_accelerate_state
+from conftest import wait_for_no_processes
 
 CPU = torch.device("cpu")
 
@@ -145,6 +149,118 @@ def test_a_stop_signal_from_elsewhere_in_a_workers_first_moments_leaves_it_runni
     evaluation.join(60)
     assert seen == list(range(8))
     os.kill(worker, 0)  # still there (it lives with the loader: persistent workers)
+
+
+SLOW_WORKER_START = """
+import os, time
+import torch.utils.data._utils.worker as worker
+
+_loop = worker._worker_loop
+
+
+def slow_loop(*args, **kwargs):  # a loader worker slow to start: its training process can die meanwhile
+    folder = os.environ["SLOW_WORKERS"]
+    open(f"{folder}/.{os.getpid()}", "w").close()
+    os.replace(f"{folder}/.{os.getpid()}", f"{folder}/worker-{os.getpid()}")  # whole, as the test reads it at once
+    time.sleep(3)
+    return _loop(*args, **kwargs)
+
+
+worker._worker_loop = slow_loop
+"""
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_rank_killed_while_its_loader_worker_starts_leaves_nothing_behind(tmp_path, processes):
+    """The OOM killer at an epoch's start: a rank SIGKILLed while its loader worker starts. torch's watchdog reads the
+    worker's parent only when its loop starts, so before the fix that worker watched pid 1 and lived for good (ignoring
+    a shell's SIGTERM too), holding the launcher's stdout open. The worker sleeps 3 s at its start (a sitecustomize);
+    the rank is killed then. Its worker must end at once, and the whole run soon (2 ranks: the other notices)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WORKER_START)
+    output = tmp_path / "run"
+    config = CONFIGS / ("cpu_ddp.yaml" if processes > 1 else "cpu.yaml")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), "--num_processes", str(processes),
+               str(REPO / "templates" / "image_classification.py"), "--epochs", "1",
+               "--width", "8", "--depth", "1", "--num_workers", "1", "--tracker", "none", "--output_dir", str(output)]
+    launcher = subprocess.Popen(command, cwd=REPO, env=clean_env(PYTHONPATH=str(site), SLOW_WORKERS=str(tmp_path)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (started := list(tmp_path.glob("worker-*"))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started, "no loader worker started"
+        worker = int(started[0].name.split("-")[1])
+        os.kill(parent_of(worker), signal.SIGKILL)  # while the worker sleeps through its start
+        deadline = time.monotonic() + 10
+        while (alive := is_alive(worker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, "the loader worker outlived its rank"
+        assert launcher.wait(timeout=90) != 0
+        assert wait_for_no_processes(str(output), timeout=10) == []
+    finally:
+        launcher.kill()
+        for line in processes_mentioning(str(output)):  # what this test started and left
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+FORKED_FROM_A_THREAD = """
+import sys, threading, time
+import torch
+from torch.utils.data import TensorDataset
+sys.path.insert(0, {repo!r})
+from common.data import build_loader
+
+loader = build_loader(TensorDataset(torch.arange(8)), batch_size=2, train=False, seed=0, device=torch.device("cpu"),
+                      num_workers=1)
+threading.Thread(target=lambda: list(loader), daemon=True).start()  # the worker is forked from this thread
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_forked_from_another_thread_ends_with_its_process_killed_while_it_starts(tmp_path):
+    """A loader iterated from a thread other than the main one: Linux's parent-death signal would fire when that
+    thread ends, so it is not set; a worker whose process is killed while it starts must end all the same (the
+    stop-signal shield exits a worker whose parent is gone, where torch's watchdog would watch pid 1 for good)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WORKER_START)
+    script = tmp_path / "threaded.py"
+    script.write_text(FORKED_FROM_A_THREAD.format(repo=str(REPO)))
+    process = subprocess.Popen([sys.executable, str(script)], env=clean_env(PYTHONPATH=str(site),
+                               SLOW_WORKERS=str(tmp_path)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started := list(tmp_path.glob("worker-*"))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started, "no loader worker started"
+        worker = int(started[0].name.split("-")[1])
+        process.kill()  # while the worker sleeps through its start
+        process.wait()
+        deadline = time.monotonic() + 10  # its start (3 s) and a second of the shield's wait
+        while (alive := is_alive(worker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, "the loader worker outlived its process"
+    finally:
+        process.kill()
+        for line in processes_mentioning(str(script)):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_batch_size_checked():

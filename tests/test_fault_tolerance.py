@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, free_port, wait_for_no_processes
+from conftest import CONFIGS, REPO, clean_env, free_port, run_to_end, wait_for_no_processes
 from helpers import read_metrics, snapshot, write_tiny_corpus
 from common.errors import read_status
 
@@ -166,9 +166,8 @@ def run(template: Path, config: str | None, out: Path, args: tuple[str, ...], fa
     record = out.parent / f"records-{out.name}-{time.monotonic_ns()}"
     env = clean_env(**({k: str(v) for k, v in fault.items()} | {"FAULT_RECORD": str(record)} if fault else {}))
     started = time.monotonic()
-    result = subprocess.run(command(template, config, [*args, "--output_dir", str(out)], wrapped=fault is not None,
-                                    launcher=launcher),
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    result = run_to_end(command(template, config, [*args, "--output_dir", str(out)], wrapped=fault is not None,
+                                launcher=launcher), cwd=REPO, env=env, timeout=timeout)
     seconds = time.monotonic() - started
     records = read_records(record)
     saves = json.loads((record / "saves.json").read_text()) if (record / "saves.json").is_file() else {}

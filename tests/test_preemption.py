@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
 from common.accelerator import PreemptionWatcher, build_accelerator, end_run
 from common.checkpoint import TrainingState
-from common.errors import EXIT_PREEMPTED, RunStatus, at_failure, read_status
+from common.errors import EXIT_PREEMPTED, RunStatus, at_failure, read_status, with_exit_codes
 from common.tracking import Tracker
 
 
@@ -85,3 +86,18 @@ def test_end_run_records_how_the_run_ended_and_why_from_the_agreed_stop(run, tmp
     printed = capsys.readouterr()
     line = f"stopped at step 7 by {recorded}; checkpoint saved, continue with --resume auto" if stopping else ""
     assert (printed.err if exit_code else printed.out).strip() == line  # requeued: on stderr, shown by the launcher
+
+
+def test_a_ctrl_c_while_the_process_group_is_freed_does_not_fail_a_finished_run():
+    """Found by scripts/stress_signals.py: a Ctrl-C passed on by torchrun's agent as a rank freed its process group
+    after main() had returned ended that finished run in a KeyboardInterrupt traceback."""
+    freed = []
+
+    def release():  # common.accelerator.release_process_group, and a Ctrl-C while it runs
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # a handled signal is acted on here
+        freed.append(True)
+
+    assert with_exit_codes(lambda: "done", release=release)() == "done"
+    assert freed == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
