@@ -115,9 +115,10 @@ def writer_group(accelerator: Accelerator, timeout_s: float):
     return None
 
 
-def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy) -> Snapshot:
+def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy | None) -> Snapshot:
     """What accelerate's save_state would write into `folder` on this rank, copied to host memory now: the part of
-    a background save that must happen at the step. Only for a run `cannot_mirror` accepts."""
+    a background save that must happen at the step. Only for a run `cannot_mirror` accepts. `host_copy` None: the
+    state dicts as they are, tensors shared with the model and optimizer (for a save after which nothing trains)."""
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -156,7 +157,7 @@ def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy) 
     # taken fresh: nothing to copy
     files.append((f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl", "rng", _rng_states(accelerator.step)))
     accelerator.project_configuration.iteration += 1  # as save_state counts its saves
-    return host_copy.snapshot(files, sharded)
+    return host_copy.snapshot(files, sharded) if host_copy is not None else Snapshot(files, sharded)
 
 
 def _fsdp_plugin(accelerator: Accelerator):
