@@ -173,8 +173,9 @@ def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_ind
     The model runs its own forward (DDP's hooks, FSDP2's unsharding, autocast, LoRA all as usual) with its output
     layer fed zero positions; the hidden states it was given are kept, and the output layer is applied to the target
     positions only, `chunk` at a time, each chunk's logits upcast to fp32 and dropped after its loss (with gradients:
-    recomputed in backward, torch.utils.checkpoint, except the last chunk's). A model that changes its logits after
-    its output layer (a soft cap, a scale) is seen doing so at its first batch: it gets the whole logits from then on.
+    recomputed in backward, torch.utils.checkpoint, except the last chunk's). At the first batch the output layer
+    gets the last position, and a model that returns other logits than it made (a soft cap, a scale) gets the whole
+    logits from then on.
     """
     targets = labels[:, 1:]
     rows, positions = (targets != ignore_index).nonzero(as_tuple=True)
@@ -182,10 +183,13 @@ def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_ind
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     seen: dict = {}
-    if head is not None and not getattr(inner, "_loss_needs_logits", False):
+    checked = getattr(inner, "_logits_are_the_output_layers", None)  # None: not yet seen
+    if head is not None and checked is not False:
+        fed = slice(-1, None) if checked is None else slice(0, 0)  # the output layer's positions: last, or none
+
         def keep_hidden(module, args):
             seen["hidden"], seen["autocast"] = args[0], _autocast_state(args[0].device.type)
-            return (args[0][..., :0, :], *args[1:])
+            return (args[0][..., fed, :], *args[1:])
 
         hooks = [head.register_forward_pre_hook(keep_hidden),
                  head.register_forward_hook(lambda module, args, output: seen.update(output=output))]
@@ -194,12 +198,16 @@ def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_ind
         finally:
             for hook in hooks:
                 hook.remove()
-        if output.logits is not seen.get("output") or seen["hidden"].shape[:-1] != labels.shape:
-            inner._loss_needs_logits = True  # the logits are not the output layer's alone: whole logits from now on
+        if checked is None:  # the first batch: the last position's logits, as the output layer made them?
+            checked = inner._logits_are_the_output_layers = (
+                "hidden" in seen and seen["hidden"].shape[:-1] == labels.shape
+                and torch.equal(output.logits.float(), seen["output"].float()))
+        if not checked:
             seen.clear()
     if "hidden" not in seen:
         logits = model(**inputs).logits[:, :-1][rows, positions]
-        return _chunk_loss(lambda x: x, logits, picked, per_token)
+        losses = _chunk_loss(lambda x: x, logits, picked, per_token)
+        return (losses, rows) if per_token else losses
     hidden = seen["hidden"][:, :-1][rows, positions]  # [targets, hidden size]
     device_type, autocast = seen["autocast"]
     losses = []

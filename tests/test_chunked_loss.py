@@ -46,3 +46,30 @@ def test_chunked_loss_equals_the_loss_of_the_whole_logits(launched, tiny_model, 
         assert r["grad_max_diff"] <= 1e-5 * max(1.0, r["grad_max"]), r  # fp32 sums in another order
         assert r["per_token_max_diff"] <= 1e-5 and r["rows_match"], r
         assert r["empty_loss"] == 0.0 and r["empty_grad_max"] == 0.0, r
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_logits_changed_after_the_output_layer_are_used_whole(tiny_model, changed):
+    """A model whose forward changes the logits its output layer made (Gemma 2's soft cap, here a scale) is seen
+    doing so at its first batch and gets its loss from the whole logits, as it returns them; mixed precision's
+    upcast of the returned logits (accelerate's convert_outputs_to_fp32) is no change."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from common.pretrained import target_token_losses
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    if changed:
+        model.register_forward_hook(lambda module, args, output: output.__setitem__("logits", output.logits * 3))
+    else:  # the upcast accelerate applies to the outputs of a model under mixed precision
+        model.register_forward_hook(lambda module, args, output: output.__setitem__("logits", output.logits.double()))
+    input_ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(0))
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    for _ in range(2):  # the first batch decides, the second follows
+        loss = target_token_losses(model, labels, -100, chunk=3, input_ids=input_ids)
+        whole = F.cross_entropy(model(input_ids=input_ids).logits[:, :-1].flatten(0, 1).float(),
+                                labels[:, 1:].flatten(), reduction="sum")
+        assert torch.allclose(loss, whole, rtol=1e-5), (loss, whole)
+    assert model._logits_are_the_output_layers is not changed
