@@ -226,7 +226,6 @@ class CheckpointManager:
         if not self._saved(periodic):
             names.append(periodic)
         if names:
-            # nothing trains after the run's last step or a save it waits for: written from the state itself
             self._checkpoint(state, names, still_training=not wait and state.step != self.total_steps)
         if wait:
             self.wait()
@@ -289,12 +288,7 @@ class CheckpointManager:
         return in_flight or (self.dir / name / PROGRESS_FILE).is_file()
 
     def _checkpoint(self, state: TrainingState, names: list[str], still_training: bool = True) -> None:
-        """Save `state` under `names` (the first is written, the others share its files), now or in the background.
-
-        In the background the state is copied to host memory at the step while training goes on; where nothing
-        trains any more (`still_training` False: the run's last step, a save waited for) it is written from the
-        model and optimizer themselves, and the copy kept from the previous save is let go: no second copy of
-        weights and optimizer state in host memory."""
+        """Save `state` under `names` (the first is written, the others share its files), now or in the background."""
         self.wait()  # one save at a time; a failure of the previous one ends the run here
         meta = state.record() | {"template": self.template, "world_size": self.accelerator.num_processes,
                                  "metric": self.metric, "mode": self.mode,
@@ -305,10 +299,7 @@ class CheckpointManager:
         if not self.background:
             self._write(names, meta, None, None)
             return
-        if not still_training:
-            self._host_copy.buffers.clear()  # the previous save's copy: its write is done (self.wait() above)
-        snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}",
-                                  self._host_copy if still_training else None)
+        snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}", self._host_copy, still_training)
         self._pending = BackgroundSave(names, self._write, (names, meta, snapshot, self._group))
 
     def _write(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
