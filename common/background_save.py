@@ -115,9 +115,12 @@ def writer_group(accelerator: Accelerator, timeout_s: float):
     return None
 
 
-def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy) -> Snapshot:
+def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, copy: bool = True) -> Snapshot:
     """What accelerate's save_state would write into `folder` on this rank, copied to host memory now: the part of
-    a background save that must happen at the step. Only for a run `cannot_mirror` accepts."""
+    a background save that must happen at the step. Only for a run `cannot_mirror` accepts. `copy` False (a save
+    after which nothing trains: the run's last step, a save waited for): the state dicts as they are, tensors
+    shared with the model and optimizer, and the copy `host_copy` kept from an earlier save let go (its write is
+    done: one save at a time), so host memory holds one copy of weights and optimizer state, not two."""
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -156,6 +159,9 @@ def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy) 
     # taken fresh: nothing to copy
     files.append((f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl", "rng", _rng_states(accelerator.step)))
     accelerator.project_configuration.iteration += 1  # as save_state counts its saves
+    if not copy:
+        host_copy.buffers.clear()
+        return Snapshot(files, sharded)
     return host_copy.snapshot(files, sharded)
 
 

@@ -226,7 +226,7 @@ class CheckpointManager:
         if not self._saved(periodic):
             names.append(periodic)
         if names:
-            self._checkpoint(state, names)
+            self._checkpoint(state, names, still_training=not wait and state.step != self.total_steps)
         if wait:
             self.wait()
         return self.dir / periodic
@@ -287,7 +287,7 @@ class CheckpointManager:
         in_flight = self._pending is not None and name in self._pending.names
         return in_flight or (self.dir / name / PROGRESS_FILE).is_file()
 
-    def _checkpoint(self, state: TrainingState, names: list[str]) -> None:
+    def _checkpoint(self, state: TrainingState, names: list[str], still_training: bool = True) -> None:
         """Save `state` under `names` (the first is written, the others share its files), now or in the background."""
         self.wait()  # one save at a time; a failure of the previous one ends the run here
         meta = state.record() | {"template": self.template, "world_size": self.accelerator.num_processes,
@@ -299,7 +299,7 @@ class CheckpointManager:
         if not self.background:
             self._write(names, meta, None, None)
             return
-        snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}", self._host_copy)
+        snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}", self._host_copy, still_training)
         self._pending = BackgroundSave(names, self._write, (names, meta, snapshot, self._group))
 
     def _write(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:

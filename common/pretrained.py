@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
+from torch.utils.checkpoint import checkpoint
 
 from common.errors import UsageError
 
@@ -158,6 +160,77 @@ def keep_only_trained_in_checkpoints(accelerator: Accelerator, model: torch.nn.M
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+LOSS_CHUNK = 256  # target tokens whose logits exist at once: [256, vocab] in fp32, as TRL's chunked loss
+
+
+def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_index: int, *, per_token: bool = False,
+                        chunk: int = LOSS_CHUNK, **inputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy of each target token (position t predicts labels[:, t + 1] where that is not ignore_index),
+    in fp32, without the [batch, seq, vocab] logits: summed (a scalar), or per token with the batch row of each.
+
+    The model runs its own forward (DDP's hooks, FSDP2's unsharding, autocast, LoRA all as usual) with its output
+    layer fed zero positions; the hidden states it was given are kept, and the output layer is applied to the target
+    positions only, `chunk` at a time, each chunk's logits upcast to fp32 and dropped after its loss (with gradients:
+    recomputed in backward, torch.utils.checkpoint, except the last chunk's). At the first batch the output layer
+    gets the last position, and a model that returns other logits than it made (a soft cap, a scale) gets the whole
+    logits from then on.
+    """
+    targets = labels[:, 1:]
+    rows, positions = (targets != ignore_index).nonzero(as_tuple=True)
+    picked = targets[rows, positions]
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    seen: dict = {}
+    checked = getattr(inner, "_logits_are_the_output_layers", None)  # None: not yet seen
+    if head is not None and checked is not False:
+        fed = slice(-1, None) if checked is None else slice(0, 0)  # the output layer's positions: last, or none
+
+        def keep_hidden(module, args):
+            seen["hidden"], seen["autocast"] = args[0], _autocast_state(args[0].device.type)
+            return (args[0][..., fed, :], *args[1:])
+
+        hooks = [head.register_forward_pre_hook(keep_hidden),
+                 head.register_forward_hook(lambda module, args, output: seen.update(output=output))]
+        try:
+            output = model(**inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if checked is None:  # the first batch: the last position's logits, as the output layer made them?
+            checked = inner._logits_are_the_output_layers = (
+                "hidden" in seen and seen["hidden"].shape[:-1] == labels.shape
+                and torch.equal(output.logits.float(), seen["output"].float()))
+        if not checked:
+            seen.clear()
+    if "hidden" not in seen:
+        logits = model(**inputs).logits[:, :-1][rows, positions]
+        losses = _chunk_loss(lambda x: x, logits, picked, per_token)
+        return (losses, rows) if per_token else losses
+    hidden = seen["hidden"][:, :-1][rows, positions]  # [targets, hidden size]
+    device_type, autocast = seen["autocast"]
+    losses = []
+    with torch.autocast(device_type, **autocast):  # as the model's forward ran (accelerate's mixed precision)
+        for start in range(0, max(len(picked), 1), chunk):  # an empty chunk still joins the graph: DDP waits for it
+            args = (head, hidden[start:start + chunk], picked[start:start + chunk], per_token)
+            last = start + chunk >= len(picked)
+            recompute = torch.is_grad_enabled() and not last  # the last chunk's logits are the only ones kept
+            losses.append(checkpoint(_chunk_loss, *args, use_reentrant=False) if recompute else _chunk_loss(*args))
+    if not per_token:
+        return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+    return torch.cat(losses), rows
+
+
+def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="none" if per_token else "sum")
+
+
+def _autocast_state(device_type: str) -> tuple[str, dict]:
+    if not torch.amp.is_autocast_available(device_type):
+        return "cpu", {"enabled": False}
+    return device_type, {"enabled": torch.is_autocast_enabled(device_type),
+                         "dtype": torch.get_autocast_dtype(device_type)}
 
 
 @torch.no_grad()

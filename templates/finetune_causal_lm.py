@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent  # the common/ beside this file, else beside templates/; never one further up
 OURS = HERE / "common" if (HERE / "common").is_dir() else HERE.parent / "common"
@@ -50,7 +49,7 @@ from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, sc
                           weight_decay_groups)
 from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,
                                keep_only_trained_in_checkpoints, load_once_per_machine, load_tokenizer_and_config,
-                               render_chat)
+                               render_chat, target_token_losses)
 from common.tracking import Tracker, progress_bar, say
 
 common.hand_back(THEIRS, imported=__name__ != "__main__")
@@ -270,20 +269,15 @@ def batched(cfg: Config, tokenizer, train: list[Example], val: list[Example], ac
     return train_set, val_set, PackedCollate(tokenizer.pad_token_id), "packed rows"
 
 
-def forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits of a padded batch (attention mask) or a packed one (position ids restarting at each example, no
-    mask: transformers then keeps the examples apart). No KV cache: training needs none, and building one
-    would switch that separation off."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                 position_ids=batch.get("position_ids"), use_cache=False).logits
-
-
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token loss of predicting labels[t + 1] from position t; 0 where the label is IGNORE."""
-    targets = labels[:, 1:]
-    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                             reduction="none")
-    return losses.view(targets.shape)
+def target_losses(model, batch: dict[str, torch.Tensor], per_token: bool = False):
+    """The loss of predicting each target token labels[t + 1] from position t (IGNORE labels skipped), in fp32:
+    summed, or per token with the batch row of each. A padded batch runs with its attention mask, a packed one with
+    position ids restarting at each example (no mask: transformers then keeps the examples apart); no KV cache:
+    training needs none, and building one would switch that separation off. The logits are made for the target
+    positions only, a chunk at a time (`target_token_losses`): never the whole [batch, seq, vocab] tensor."""
+    return target_token_losses(model, batch["labels"], IGNORE, per_token=per_token, input_ids=batch["input_ids"],
+                               attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
+                               use_cache=False)
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -327,10 +321,11 @@ def evaluate(model, loader, accelerator) -> dict[str, float]:
     model.eval()
     total, tokens = 0.0, 0
     for batch in loader:
-        losses = token_losses(forward(model, batch), batch["labels"])
+        losses, rows = target_losses(model, batch, per_token=True)
         # Per-example sums and counts: gather_for_metrics drops the examples DDP padding repeated.
+        per_example = torch.zeros(len(batch["labels"]), dtype=torch.float64, device=losses.device)
         sums, counts = accelerator.gather_for_metrics(
-            (losses.double().sum(1), (batch["labels"][:, 1:] != IGNORE).sum(1)))
+            (per_example.index_add_(0, rows, losses.double()), (batch["labels"][:, 1:] != IGNORE).sum(1)))
         total += sums.sum().item()
         tokens += int(counts.sum().item())
     model.train()
@@ -465,12 +460,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for batch in throughput.timed(batches):
             optimizer.zero_grad(set_to_none=True)  # accelerate makes this a no-op inside an accumulation window
             with accelerator.accumulate(model):
-                logits = forward(model, batch)  # padded: with an attention mask; packed: with position ids
+                # Summed over this micro-batch's completion tokens (the logits of those alone, a chunk at a time);
+                # the step's gradient becomes the mean over all its target tokens once the last backward is done.
+                loss = target_losses(model, batch)
                 labels = batch["labels"]
-                # Summed over this micro-batch's completion tokens (F.cross_entropy ignores IGNORE labels); the
-                # step's gradient becomes the mean over all its target tokens once the last backward is done.
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                       ignore_index=IGNORE, reduction="sum")
                 accelerator.backward(loss)
                 step_sums += torch.stack([loss.detach(), (labels[:, 1:] != IGNORE).sum().float()])  # no graph kept
                 if accelerator.sync_gradients:

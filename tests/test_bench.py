@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, clean_env
 
 SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "gpu_check", "finetune_loading",
-           "finetune_packing", "finetune_vs_trl"]
+           "finetune_packing", "finetune_vs_trl", "memory_phases"]
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -57,6 +57,14 @@ def test_finetune_loading_quick():
     out = run("bench/finetune_loading.py", "--quick", "--dtype", "fp32").stdout
     rows = [line for line in out.splitlines() if line.startswith("| fp32 ")]
     assert len(rows) == 4 and "one copy" in rows[0] and "naive" in rows[3], out  # 2 ways x 2 ranks measured
+
+
+def test_memory_phases_quick():
+    out = run("bench/memory_phases.py", "--quick").stdout
+    phases = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")][2:]
+    for phase in ("start-up (imports)", "model load", "evaluation before training", "training steps"):
+        assert phase in phases, out  # marked and sampled (a phase shorter than the 50 ms between samples may not be)
+    assert "peak RSS" in out and "MiB in '" in out, out
 
 
 def test_finetune_packing_quick():

@@ -1030,3 +1030,35 @@ def test_an_accelerate_without_what_background_saves_mirror_starts_and_saves_at_
     out = capsys.readouterr().out
     assert out.count(f"checkpoints are written at the step, not in the background: accelerate {accelerate.__version__} "
                      "has no accelerate.utils.fsdp_utils._unwrap_optimizer") == 1, out
+
+
+def test_a_save_after_which_nothing_trains_holds_no_second_copy_in_host_memory(tmp_path, fresh_accelerate,
+                                                                               monkeypatch):
+    """Mid-run, a background save copies the state (training changes it meanwhile); at the run's last step it writes
+    the model's and optimizer's own tensors and lets go of the copy kept from the save before: one copy of weights
+    and optimizer state in host memory, not two. The files are still those save_state writes, and resume exactly."""
+    job = setup(tmp_path / "run", background=True, max_steps=4)
+    job.ckpt.resume("none")
+    snapshots = []
+    real_snapshot = checkpoint_module.snapshot_state
+    monkeypatch.setattr(checkpoint_module, "snapshot_state",
+                        lambda *args: snapshots.append(real_snapshot(*args)) or snapshots[-1])
+    live = {tensor.data_ptr() for tensor in job.model.state_dict().values()}
+
+    def shared(snapshot) -> int:  # tensors of the snapshot's weights file that are the model's own
+        weights = next(obj for name, _, obj in snapshot.files if name == "model.safetensors")
+        return sum(tensor.data_ptr() in live for tensor in weights.values())
+
+    train(job, 2)
+    job.ckpt.save(TrainingState(step=2))
+    job.ckpt.wait()
+    assert shared(snapshots[0]) == 0 and job.ckpt._host_copy.buffers  # a copy, kept for the next save
+    train(job, 2)
+    job.ckpt.save(TrainingState(step=4))
+    job.accelerator.save_state(str(tmp_path / "save_state"))  # no random draw between the two: same RNG states
+    job.ckpt.wait()
+    assert shared(snapshots[1]) == len(live) and not job.ckpt._host_copy.buffers
+    assert files_of(job.ckpt.dir / "step_00000004") == files_of(tmp_path / "save_state")
+    at_end = params(job)
+    again = setup(job.ckpt.output_dir, init_seed=4, max_steps=4)
+    assert again.ckpt.resume("auto").step == 4 and same_tensors(params(again), at_end)

@@ -54,8 +54,9 @@ def test_each_packed_example_gives_its_unpacked_logits_and_masked_loss(tiny_mode
     assert len(rows) < len(pairs)  # several examples share a row
     batch = PackedCollate(tokenizer.pad_token_id)([rows[i] for i in range(len(rows))])
     with torch.no_grad():
-        logits = module.forward(model, batch)
-        packed_loss = module.token_losses(logits, batch["labels"]).sum()
+        # as the template runs a packed batch: position ids restarting at each example, no attention mask
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        packed_loss = module.target_losses(model, batch)
         unpacked_loss = 0.0
         for row, examples in enumerate(rows.rows):
             start = 0
@@ -63,7 +64,8 @@ def test_each_packed_example_gives_its_unpacked_logits_and_masked_loss(tiny_mode
                 ids, labels = pairs[index]
                 alone = model(input_ids=torch.tensor([ids])).logits[0]
                 assert torch.allclose(logits[row, start:start + len(ids)], alone, atol=1e-5), (attention, row, index)
-                unpacked_loss += module.token_losses(alone[None], torch.tensor([labels])).sum()
+                unpacked_loss += module.target_losses(model, {"input_ids": torch.tensor([ids]),
+                                                              "labels": torch.tensor([labels])})
                 start += len(ids)
     assert torch.allclose(packed_loss, unpacked_loss, rtol=1e-5), (packed_loss, unpacked_loss)
 
