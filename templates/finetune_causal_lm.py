@@ -301,7 +301,7 @@ def load_model(cfg: Config, accelerator, config):
 
 
 def adapt_for_training(model, cfg: Config):
-    model.config.use_cache = False  # training takes whole sequences; the sample below needs no cache either
+    model.config.use_cache = False  # training takes whole sequences; `generate` asks for the cache itself
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.lora_r:
@@ -360,7 +360,8 @@ def sample(cfg: Config, model, tokenizer, kind: str, example: Example, device) -
         text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
                                              add_generation_prompt=True) if kind == "chat" else cfg.prompt
         prompt_ids = tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
-    written = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, device)
+    written = generate(model, [prompt_ids], [cfg.sample_tokens], tokenizer.eos_token_id, tokenizer.pad_token_id,
+                       device)[0]
     return tokenizer.decode(prompt_ids) + tokenizer.decode(written)
 
 
