@@ -298,6 +298,20 @@ def test_export_loads_with_from_pretrained_in_a_plain_process_with_the_same_logi
     assert difference < 1e-4, difference
 
 
+@pytest.mark.parametrize("name", ["single-full", "ddp-full", "fsdp-full", "single-lora-merged-chat"])
+def test_a_full_export_is_its_checkpoints_weights_file_linked_not_written_again(runs, name):
+    """One process or DDP, full fine-tuning: the export's weights are the final checkpoint's file, hard-linked (the
+    same inode: written once), and it loads in a plain process with the trained logits (the test above). FSDP's
+    checkpoint is sharded and a merged LoRA export is another model: those are written."""
+    finished(runs[name])
+    exported = runs[name]["out"] / "model" / "model.safetensors"
+    checkpoint = runs[name]["out"] / "checkpoints" / "step_00000060" / "model.safetensors"
+    if name in ("single-full", "ddp-full"):
+        assert exported.samefile(checkpoint)
+    else:
+        assert exported.is_file() and exported.stat().st_nlink == 1  # no other name: written for the export
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_export_keeps_the_base_models_generation_config_with_the_cache_on(runs, tiny_model, name):
     """Full, merged LoRA, LoRA adapter, DDP and FSDP exports: the base's sampling defaults and extra stop ids
