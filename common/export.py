@@ -83,13 +83,16 @@ def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Cal
 
 
 def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenizer, folder: str | os.PathLike,
-                      base_model: str, merge_adapter: bool = False) -> Path:
+                      base_model: str, merge_adapter: bool = False, weights: Path | None = None) -> Path:
     """A transformers model (or a peft one) as `save_pretrained` writes it (safetensors) with its tokenizer, loadable
     without accelerate; call on every rank: under FSDP the full state dict is gathered on the main process.
 
     A LoRA model exports its adapter (`PeftModel.from_pretrained` on `base_model`, a local base by its absolute
     path), or with `merge_adapter` the model with the adapter merged in. The base's generation config comes along.
-    Published atomically (`publish_export`)."""
+    `weights`: a file that may hold these very weights (the model.safetensors of the checkpoint of the exported step):
+    where it holds exactly the tensors save_pretrained would write (names, dtypes, shapes) it is hard-linked into
+    the export instead of written again (a full model written once, not twice). Published atomically
+    (`publish_export`)."""
     state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
 
     def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
@@ -103,8 +106,11 @@ def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenize
                                    unwrapped.peft_config["default"])
             plain.load_state_dict({k: v.float() for k, v in state_dict.items()})
             plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
-        else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        else:  # the weights linked from `weights` where that file holds them, else written
+            linked = weights is not None and _holds_the_same(weights, state_dict, unwrapped)
+            unwrapped.save_pretrained(tmp, state_dict={} if linked else state_dict, safe_serialization=True)
+            if linked and not _link(weights, tmp / "model.safetensors"):  # a file system without hard links
+                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         adapter_file = tmp / "adapter_config.json"
         if adapter_file.is_file() and Path(base_model).is_dir():  # a local base model by its absolute path, so
             saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
@@ -123,6 +129,34 @@ def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenize
         tokenizer.save_pretrained(tmp)
 
     return publish_export(accelerator, folder, write)  # every rank learns whether it worked
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _holds_the_same(path: Path, state_dict: dict, model: torch.nn.Module) -> bool:
+    """Whether the safetensors file `path` has the tensors save_pretrained writes of `state_dict`: each name (tied
+    copies left out) with its dtype and shape, and no other (a peft model, a sharded checkpoint: no)."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ())
+    expected = {key: tensor for key, tensor in state_dict.items() if key not in tied}
+    if hasattr(model, "peft_config") or not expected:
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return set(handle.keys()) == set(expected) and all(
+                handle.get_slice(key).get_dtype() == _DTYPES.get(tensor.dtype)
+                and handle.get_slice(key).get_shape() == list(tensor.shape) for key, tensor in expected.items())
+    except (OSError, SafetensorError):
+        return False
+
+
+def _link(source: Path, target: Path) -> bool:
+    """Hard-link `source` as `target`; False where the file system cannot (another device, no hard links)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        return False
+    return True
 
 
 def _generation_config(name: str):

@@ -234,25 +234,48 @@ def _autocast_state(device_type: str) -> tuple[str, dict]:
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int, eos_id: int, device) -> list[int]:
-    """Greedy decoding, the same number of forwards on every rank (FSDP needs all ranks in each one)."""
+def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: list[int], eos_id: int, pad_id: int,
+             device) -> list[list[int]]:
+    """Greedy answers to all `prompts` at once, each up to its `new_tokens` and cut before its EOS.
+
+    One batch with the KV cache: the prompts left-padded (masked, each one's positions counting from its own first
+    token, as alone), one forward over them, then one per new token over the cache. `max(new_tokens)` forwards in
+    all whatever the answers, the same number on every rank (FSDP needs all ranks in each one); only the last
+    position's logits are computed. The training template turns the cache off in the config (training takes whole
+    sequences): it is asked for here, in eval mode, where it is valid."""
+    if not prompts or max(new_tokens, default=0) <= 0:
+        return [[] for _ in prompts]
+    training = model.training
     model.eval()
-    ids = torch.tensor([prompt_ids], device=device)
-    for _ in range(new_tokens):
-        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
-    model.train()
-    out = ids[0, len(prompt_ids):].tolist()
-    return out[: out.index(eos_id)] if eos_id in out else out
+    longest = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    written, cache = [], {}
+    for _ in range(max(new_tokens)):
+        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                       **cache)
+        # the cache comes back as `cache` (transformers 5.25 on) or `past_key_values` (before), and goes in so
+        key = "cache" if output.get("cache") is not None else "past_key_values"
+        cache = {key: output[key]}
+        ids = output.logits[:, -1:].argmax(-1)
+        written.append(ids)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    model.train(training)
+    answers = []
+    for tokens, count in zip(torch.cat(written, dim=1).tolist(), new_tokens):
+        tokens = tokens[:count]
+        answers.append(tokens[: tokens.index(eos_id)] if eos_id in tokens else tokens)
+    return answers
 
 
 def answer_probes(model: torch.nn.Module, probes: list[tuple[list[int], list[int]]], tokenizer,
                   device) -> tuple[list[dict[str, str]], float]:
     """Greedy answers to the probe prompts, (prompt, expected answer) pairs (as many tokens as the expected answer,
-    and its EOS), and the share that matches the expected answer exactly."""
-    rows, matches = [], 0
-    for prompt, expected in probes:
-        output = generate(model, prompt, len(expected) + 1, tokenizer.eos_token_id, device)
-        matches += output == expected
-        rows.append({"prompt": tokenizer.decode(prompt), "output": tokenizer.decode(output),
-                     "expected": tokenizer.decode(expected)})
+    and its EOS; all in one batch), and the share that matches the expected answer exactly."""
+    outputs = generate(model, [prompt for prompt, _ in probes], [len(expected) + 1 for _, expected in probes],
+                       tokenizer.eos_token_id, tokenizer.pad_token_id, device)
+    rows = [{"prompt": tokenizer.decode(prompt), "output": tokenizer.decode(output),
+             "expected": tokenizer.decode(expected)} for (prompt, expected), output in zip(probes, outputs)]
+    matches = sum(output == expected for (_, expected), output in zip(probes, outputs))
     return rows, matches / max(1, len(probes))

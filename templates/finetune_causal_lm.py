@@ -294,7 +294,7 @@ def load_model(cfg: Config, accelerator, config):
 
 
 def adapt_for_training(model, cfg: Config):
-    model.config.use_cache = False  # training takes whole sequences; the sample below needs no cache either
+    model.config.use_cache = False  # training takes whole sequences; `generate` asks for the cache itself
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.lora_r:
@@ -354,17 +354,20 @@ def sample(cfg: Config, model, tokenizer, kind: str, example: Example, device) -
         text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=False,
                                              add_generation_prompt=True) if kind == "chat" else cfg.prompt
         prompt_ids = tokenizer(text, add_special_tokens=kind != "chat")["input_ids"]
-    written = generate(model, prompt_ids, cfg.sample_tokens, tokenizer.eos_token_id, device)
+    written = generate(model, [prompt_ids], [cfg.sample_tokens], tokenizer.eos_token_id, tokenizer.pad_token_id,
+                       device)[0]
     return tokenizer.decode(prompt_ids) + tokenizer.decode(written)
 
 
-def export_model(accelerator, model, tokenizer, cfg: Config, state, step: int) -> Path:
+def export_model(accelerator, model, tokenizer, cfg: Config, state, step: int, checkpoints: list[Path]) -> Path:
     """save_pretrained (safetensors) + tokenizer in <output_dir>/model, loadable without accelerate; under FSDP gathered
     on the main process. LoRA: the adapter (PeftModel.from_pretrained), or with --merge_lora the merged model. Written
-    atomically; `step`: the step whose weights the model holds, said with how to load them."""
+    atomically; `step`: the step whose weights the model holds, said with how to load them. Full fine-tuning on one
+    process or DDP: the weights file of that step's checkpoint is linked, not written again."""
     adapter = cfg.lora_r and not cfg.merge_lora
+    saved = next((path / "model.safetensors" for path in checkpoints if path.name.endswith(f"_{step:08d}")), None)
     export = export_pretrained(accelerator, model, tokenizer, Path(cfg.output_dir) / "model", cfg.model,
-                               merge_adapter=bool(cfg.lora_r and cfg.merge_lora))
+                               merge_adapter=bool(cfg.lora_r and cfg.merge_lora), weights=saved)
     which = f"step {step}" + (f" (best val/loss {state.best_metric:.4f})" if step == state.best_step else "")
     accelerator.print(f"exported the weights of {which} to {export}: load it with "
                       f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ckpt.wait()  # the last checkpoint is on disk (a failed write ends the run here) before the export
         # the weights of the best val/loss (and what they came with), or the last step's
         exported_step = ckpt.restore_best(state) if cfg.export_from == "best" else state.step
-        export_model(accelerator, model, tokenizer, cfg, state, exported_step)
+        export_model(accelerator, model, tokenizer, cfg, state, exported_step, ckpt.complete_checkpoints())
         tracker.summary(metrics | {"best/val_loss": state.best_metric})
         if cfg.sample_tokens:
             accelerator.print(f"sample:\n{sample(cfg, model, tokenizer, kind, val_examples[0], accelerator.device)}")

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, clean_env
 
 SCRIPTS = ["overhead", "data_loading", "checkpoints", "scaling", "gpu", "gpu_check", "finetune_loading",
-           "finetune_packing", "finetune_vs_trl", "memory_phases"]
+           "finetune_packing", "finetune_vs_trl", "memory_phases", "finetune_phases"]
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -84,6 +84,13 @@ def options(command: str) -> dict[str, str]:
     words = shlex.split(command)
     return {w[2:]: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--") and
             not words[i + 1].startswith("--")}
+
+
+def test_finetune_phases_quick_times_every_phase_of_a_launched_run():
+    out = run("bench/finetune_phases.py", "--quick", timeout=400).stdout
+    phases = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")][1:]
+    assert phases[:4] == ["launcher", "imports", "setup", "evaluation before training"], out
+    assert {"sample answers", "checkpoint written", "export", "sample", "**whole command**"} <= set(phases), out
 
 
 def test_finetune_vs_trl_dry_run_gives_both_tools_the_same_training():

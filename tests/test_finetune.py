@@ -12,7 +12,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -299,6 +298,20 @@ def test_export_loads_with_from_pretrained_in_a_plain_process_with_the_same_logi
     assert difference < 1e-4, difference
 
 
+@pytest.mark.parametrize("name", ["single-full", "ddp-full", "fsdp-full", "single-lora-merged-chat"])
+def test_a_full_export_is_its_checkpoints_weights_file_linked_not_written_again(runs, name):
+    """One process or DDP, full fine-tuning: the export's weights are the final checkpoint's file, hard-linked (the
+    same inode: written once), and it loads in a plain process with the trained logits (the test above). FSDP's
+    checkpoint is sharded and a merged LoRA export is another model: those are written."""
+    finished(runs[name])
+    exported = runs[name]["out"] / "model" / "model.safetensors"
+    checkpoint = runs[name]["out"] / "checkpoints" / "step_00000060" / "model.safetensors"
+    if name in ("single-full", "ddp-full"):
+        assert exported.samefile(checkpoint)
+    else:
+        assert exported.is_file() and exported.stat().st_nlink == 1  # no other name: written for the export
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_export_keeps_the_base_models_generation_config_with_the_cache_on(runs, tiny_model, name):
     """Full, merged LoRA, LoRA adapter, DDP and FSDP exports: the base's sampling defaults and extra stop ids
@@ -471,18 +484,28 @@ def test_early_stopping_without_evaluations_is_refused(tmp_path, tiny_model, cap
 
 
 class Oracle(torch.nn.Module):
-    """A stand-in model whose greedy next token continues `text` (the expected answer, then its EOS)."""
+    """A stand-in model whose greedy next token continues `text` (the expected answer, then its EOS), called as
+    `generate` calls a model: left-padded prompts, then one token a row over its cache (here: the ids so far)."""
 
     def __init__(self, sequences: list[list[int]], vocab: int):
         super().__init__()
         self.sequences, self.vocab = sequences, vocab
 
-    def forward(self, input_ids):
-        ids = input_ids[0].tolist()
-        sequence = next(s for s in self.sequences if s[:len(ids)] == ids)
-        logits = torch.zeros(1, len(ids), self.vocab)
-        logits[0, -1, sequence[len(ids)] if len(ids) < len(sequence) else 0] = 1.0
-        return SimpleNamespace(logits=logits)
+    def forward(self, input_ids, attention_mask, cache=None, **ignored):
+        rows = [ids + new for ids, new in zip(cache or [[] for _ in input_ids], input_ids.tolist())]
+        logits = torch.zeros(len(rows), 1, self.vocab)
+        for i, (row, keep) in enumerate(zip(rows, attention_mask.tolist())):
+            ids = [token for token, kept in zip(row, keep) if kept]
+            sequence = next(s for s in self.sequences if s[:len(ids)] == ids)
+            logits[i, -1, sequence[len(ids)] if len(ids) < len(sequence) else 0] = 1.0
+        return Output(logits=logits, cache=rows)
+
+
+class Output(dict):
+    """A model output as transformers returns one: a dict whose keys are attributes too."""
+
+    def __getattr__(self, name):
+        return self[name]
 
 
 def test_probe_answers_are_exact_only_when_the_whole_answer_and_its_end_come_out(tokenizer):
@@ -497,6 +520,46 @@ def test_probe_answers_are_exact_only_when_the_whole_answer_and_its_end_come_out
     assert exact == 1.0 and [r["output"] for r in rows] == [r["expected"] for r in rows]
     rambling = Oracle([e.input_ids[:-1] + e.input_ids[-2:-1] * 3 for e in examples], len(tokenizer))  # no EOS
     assert module.answer_probes(rambling, probes, tokenizer, "cpu")[1] == 0.0
+
+
+def greedy_alone(model, prompt: list[int], new_tokens: int, eos_id: int) -> list[int]:
+    """How the template answered before it batched and cached: one prompt alone, the whole sequence run again for
+    each new token (no cache), the last position's argmax appended."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    answer = ids[0, len(prompt):].tolist()
+    return answer[:answer.index(eos_id)] if eos_id in answer else answer
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_answers_in_one_batch_with_the_cache_are_each_prompts_greedy_answer_alone(tiny_model, tokenizer, lora):
+    """`generate` left-pads prompts of other lengths into one batch and decodes over the KV cache: every answer is
+    token for token the one the prompt gets alone without a cache, on a model as the template trains it (cache off
+    in its config, in train mode: LoRA's dropout must be off while it answers), and train mode comes back."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.config.use_cache = False
+    if lora:  # a random adapter (B not zero), with heavy dropout that only train mode applies
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.5,
+                                                 init_lora_weights=False))
+    records = reverse_task(5) + reverse_task(2, seed=1, chat=True)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in records[:5]] + [
+        tokenizer(tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False)["input_ids"] for r in records[5:]] + [[tokenizer.eos_token_id]]
+    counts = [12, 3, 7, 1, 12, 9, 12, 5]
+    assert len({len(p) for p in prompts}) >= 4  # lengths differ: the batch is padded
+    model.eval()
+    alone = [greedy_alone(model, prompt, count, tokenizer.eos_token_id) for prompt, count in zip(prompts, counts)]
+    model.train()
+    batched = ft().generate(model, prompts, counts, tokenizer.eos_token_id, tokenizer.pad_token_id, "cpu")
+    assert model.training
+    assert batched == alone and len({tuple(a) for a in alone}) > 1 and max(map(len, alone)) == 12, (batched, alone)
 
 
 def test_each_evaluation_logs_its_answers_and_their_exact_match(runs):
