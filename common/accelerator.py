@@ -282,8 +282,9 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
                                     gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     timeout_s=cfg.timeout_s)
     accelerator.print(describe(accelerator))
-    if hasattr(faulthandler, "register"):  # `kill -USR2 <pid>`: every thread's stack on stderr (where a hung run waits)
-        faulthandler.register(signal.SIGUSR2, all_threads=True)
+    if hasattr(faulthandler, "register") and sys.__stderr__ is not None:  # `kill -USR2 <pid>`: every thread's stack
+        # on the process's own stderr (where a hung run waits), also where sys.stderr has no file (notebook, pytest)
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
     # SIGTERM / SIGUSR1 (or --stop_after_steps): checkpoint at the next step, then exit
     preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps)
     set_seed(cfg.seed)
