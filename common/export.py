@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -87,12 +88,12 @@ def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenize
     """A transformers model (or a peft one) as `save_pretrained` writes it (safetensors) with its tokenizer, loadable
     without accelerate; call on every rank: under FSDP the full state dict is gathered on the main process.
 
-    A LoRA model exports its adapter (`PeftModel.from_pretrained` on `base_model`, a local base by its absolute
-    path), or with `merge_adapter` the model with the adapter merged in. The base's generation config comes along.
-    `weights`: a file that may hold these very weights (the model.safetensors of the checkpoint of the exported step):
-    where it holds exactly the tensors save_pretrained would write (names, dtypes, shapes) it is hard-linked into
-    the export instead of written again (a full model written once, not twice). Published atomically
-    (`publish_export`)."""
+    A LoRA model exports its adapter (`PeftModel.from_pretrained` on `base_model`, a local base, folder or .gguf
+    file, by its absolute path), or with `merge_adapter` the model with the adapter merged in. The base's generation
+    config comes along. `weights`: a file that may hold these very weights (the model.safetensors of the checkpoint
+    of the exported step): where it holds exactly the tensors save_pretrained would write (names, dtypes, shapes) it
+    is hard-linked into the export instead of written again (a full model written once, not twice). Published
+    atomically (`publish_export`)."""
     state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
 
     def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
@@ -108,11 +109,14 @@ def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenize
             plain.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
         else:  # the weights linked from `weights` where that file holds them, else written
             linked = weights is not None and _holds_the_same(weights, state_dict, unwrapped)
-            unwrapped.save_pretrained(tmp, state_dict={} if linked else state_dict, safe_serialization=True)
-            if linked and not _link(weights, tmp / "model.safetensors"):  # a file system without hard links
-                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            with warnings.catch_warnings():  # peft looks for the base's config.json to see whether its vocabulary
+                # was resized (it never is here); a .gguf base or an offline Hub id has none beside it to read
+                warnings.filterwarnings("ignore", "Could not find a config file", UserWarning)
+                unwrapped.save_pretrained(tmp, state_dict={} if linked else state_dict, safe_serialization=True)
+                if linked and not _link(weights, tmp / "model.safetensors"):  # a file system without hard links
+                    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         adapter_file = tmp / "adapter_config.json"
-        if adapter_file.is_file() and Path(base_model).is_dir():  # a local base model by its absolute path, so
+        if adapter_file.is_file() and Path(base_model).exists():  # a local base model by its absolute path, so
             saved = json.loads(adapter_file.read_text())  # the adapter loads from any folder (a Hub id stays)
             saved["base_model_name_or_path"] = str(Path(base_model).resolve())
             adapter_file.write_text(json.dumps(saved, indent=2) + "\n")
@@ -122,7 +126,7 @@ def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenize
             saved["architectures"] = [a.removeprefix("FSDP") for a in saved.get("architectures") or []]
             saved["use_cache"] = True
             config_file.write_text(json.dumps(saved, indent=2) + "\n")
-        generation = _generation_config(base_model)
+        generation = _generation_config(base_model, unwrapped)
         if generation is not None:  # the base's sampling defaults and stop ids: a merged or FSDP model was
             generation.use_cache = True  # rebuilt from its config; gradient checkpointing turned the cache off
             generation.save_pretrained(tmp)
@@ -159,10 +163,15 @@ def _link(source: Path, target: Path) -> bool:
     return True
 
 
-def _generation_config(name: str):
-    """The base model's generation_config.json (a Hub id from the local cache), or None if it has none."""
+def _generation_config(name: str, model: torch.nn.Module):
+    """The base model's generation_config.json (a Hub id from the local cache), or None if it has none. A .gguf file
+    has none: the one transformers made from the file's config when it loaded the model (its special token ids)."""
+    import copy
+
     from transformers import GenerationConfig  # only where a transformers model is exported
 
+    if name.lower().endswith(".gguf"):
+        return copy.deepcopy(getattr(model, "generation_config", None))
     try:
         return GenerationConfig.from_pretrained(name)
     except OSError:

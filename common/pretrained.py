@@ -9,6 +9,8 @@ the template. The loading and the checkpoints follow accelerate's FSDP2 plugin a
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -19,16 +21,41 @@ from torch.utils.checkpoint import checkpoint
 from common.errors import UsageError
 
 
+def gguf_source(name: str) -> tuple[str, dict]:
+    """Where transformers finds --model: (name, {}), or for a .gguf file (folder, {"gguf_file": file name}), refused
+    in one line if the file is missing, is not GGUF or the `gguf` package that reads it is not installed."""
+    if not name.lower().endswith(".gguf"):
+        return name, {}
+    path = Path(name)
+    if not path.is_file():
+        raise UsageError(f"--model {name}: no such file")
+    with path.open("rb") as file:
+        if file.read(4) != b"GGUF":  # every GGUF file starts with these 4 bytes
+            raise UsageError(f"--model {name}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError(f"--model {name}: transformers reads .gguf files with the gguf package: pip install gguf")
+    return str(path.resolve().parent), {"gguf_file": path.name}
+
+
+def from_pretrained_call(name: str) -> str:
+    """How a user loads --model in Python (what a LoRA adapter exported from it goes onto)."""
+    where, gguf = gguf_source(name)
+    where = str(Path(where).resolve()) if Path(where).is_dir() else where  # a local folder from any working folder
+    return f"AutoModelForCausalLM.from_pretrained({where!r}" + "".join(f", {k}={v!r}" for k, v in gguf.items()) + ")"
+
+
 def load_tokenizer_and_config(name: str):
-    """The tokenizer and config of --model, refused in one line if missing or not a causal LM."""
+    """The tokenizer and config of --model (a Hub id, a folder or a .gguf file), refused in one line if missing or not
+    a causal LM."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    where, gguf = gguf_source(name)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(where, **gguf)  # GGUF: an architecture transformers lacks is a ValueError
         if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise UsageError(f"--model {name}: a {config.model_type!r} model is not a causal language model")
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(where, **gguf)  # a GGUF's chat template included
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"--model {name}: cannot load it ({str(error).splitlines()[0]})") from None
     if tokenizer.eos_token_id is None:
@@ -36,6 +63,27 @@ def load_tokenizer_and_config(name: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked: any id works
     return tokenizer, config
+
+
+def load_pretrained(name: str, config, dtype: torch.dtype) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(name)` in `dtype`. A .gguf file's weights are dequantized into a plain
+    model that trains and that `save_pretrained` writes: transformers flags a GGUF-loaded model as quantized and
+    refuses to save it, and with the `kernels` package it would keep the weights packed (not trainable). `config`
+    (from `load_tokenizer_and_config`) spares it parsing the file's metadata again (~5 of its ~20 s of CPU time)."""
+    from transformers import AutoModelForCausalLM
+
+    where, gguf = gguf_source(name)
+    if not gguf:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    try:
+        from transformers import GgufConfig  # recent transformers: asked to unpack every weight at load time
+        gguf["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older ones always did
+        pass
+    model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, **gguf)
+    if getattr(model, "hf_quantizer", None) is not None:  # dequantized, yet flagged: what save_pretrained refuses
+        model.hf_quantizer.remove_quantization_config(model)
+    return model
 
 
 def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:

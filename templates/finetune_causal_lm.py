@@ -47,9 +47,9 @@ from common.errors import NonFiniteError, RunStatus, UsageError, with_exit_codes
 from common.export import export_pretrained
 from common.optim import (OptimOptions, average_over_targets, fused_adamw_on, scale_learning_rate, warmup_cosine,
                           weight_decay_groups)
-from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, generate,
-                               keep_only_trained_in_checkpoints, load_once_per_machine, load_tokenizer_and_config,
-                               render_chat, target_token_losses)
+from common.pretrained import (answer_probes, check_lora_targets, enable_gradient_checkpointing, from_pretrained_call,
+                               generate, keep_only_trained_in_checkpoints, load_once_per_machine, load_pretrained,
+                               load_tokenizer_and_config, render_chat, target_token_losses)
 from common.tracking import Tracker, progress_bar, say
 
 common.hand_back(THEIRS, imported=__name__ != "__main__")
@@ -63,7 +63,7 @@ IGNORE = -100  # the label of a token the loss skips (prompt, system, padding)
 class Config(OptimOptions, RunOptions):
     """Fine-tune a pretrained causal LM from the Hub or a local folder: full fine-tuning or LoRA."""
 
-    model: str = option("HuggingFaceTB/SmolLM2-135M-Instruct", "Hub id or local folder of a causal LM.")
+    model: str = option("HuggingFaceTB/SmolLM2-135M-Instruct", "Hub id, local folder or .gguf file of a causal LM.")
     data_path: str | None = option(None, "JSONL/JSON/parquet/CSV file or folder, save_to_disk folder or Hub dataset "
                                          "id (columns prompt/completion, messages or text), or .txt text.")
     data_config: str = option("", "Configuration (load_dataset's name) of a Hub dataset or a folder of data files.")
@@ -282,13 +282,14 @@ def target_losses(model, batch: dict[str, torch.Tensor], per_token: bool = False
 
 # ---------------------------------------------------------------------------------------- model
 def load_model(cfg: Config, accelerator, config):
-    """The pretrained model, adapted for training (LoRA, gradient checkpointing, compile). Under FSDP only rank 0
-    reads the weights and the other ranks receive their shards (`common.pretrained.load_once_per_machine`)."""
+    """The pretrained model (a .gguf file: dequantized), adapted for training (LoRA, gradient checkpointing, compile).
+    Under FSDP only rank 0 reads the weights and the other ranks receive their shards
+    (`common.pretrained.load_once_per_machine`)."""
     from transformers import AutoModelForCausalLM
 
     # bf16 weights where the mixed precision is bf16 (a frozen LoRA base stays there; trained weights are fp32)
     dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    return load_once_per_machine(accelerator, lambda: AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype),
+    return load_once_per_machine(accelerator, lambda: load_pretrained(cfg.model, config, dtype),
                                  lambda: AutoModelForCausalLM.from_config(config, dtype=dtype),
                                  lambda model: adapt_for_training(model, cfg))
 
@@ -370,7 +371,8 @@ def export_model(accelerator, model, tokenizer, cfg: Config, state, step: int, c
                                merge_adapter=bool(cfg.lora_r and cfg.merge_lora), weights=saved)
     which = f"step {step}" + (f" (best val/loss {state.best_metric:.4f})" if step == state.best_step else "")
     accelerator.print(f"exported the weights of {which} to {export}: load it with "
-                      f"{'PeftModel' if adapter else 'AutoModelForCausalLM'}.from_pretrained")
+                      + (f"PeftModel.from_pretrained({from_pretrained_call(cfg.model)}, {str(export)!r})" if adapter
+                         else "AutoModelForCausalLM.from_pretrained"))
     return export
 
 
