@@ -132,7 +132,7 @@ def load_once_per_machine(accelerator: Accelerator, pretrained: Callable[[], tor
     full_state = adapt(pretrained()).state_dict() if accelerator.is_main_process else {}
     with init_empty_weights(include_buffers=False):  # buffers stay real: the rotary inv_freq is computed, not loaded
         model = empty()
-    model.tie_weights()  # from_config on meta leaves a tied output layer untied
+    model.tie_weights()  # from_config on meta leaves a tied output layer untied; ties only where the config ties
     model = adapt(model)
     shard_and_broadcast(model, full_state, accelerator)
     return model
@@ -165,12 +165,12 @@ def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: A
         for name in module._non_persistent_buffers_set:
             computed[f"{prefix}.{name}" if prefix else name] = module.get_buffer(name).clone()
     model.to_empty(device=accelerator.device)
+    # No tie_weights() here: the ties made on the meta model survive to_empty and this in-place load, and a second
+    # one on the adapted model would set `lm_head.weight` on a LoRA wrapper of the output layer (which refuses)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     full_state.clear()
     for name, value in computed.items():
         model.get_buffer(name).copy_(value)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

@@ -2,14 +2,17 @@
 
     accelerate launch --config_file accelerate_configs/<config> tests/chunked_loss_probe.py <tiny> <untied> <out>
 
-For full fine-tuning and LoRA on the tiny model (tied embeddings), and on one with an output layer of its own full
-fine-tuning and LoRA that wraps that output layer too (explicit targets; peft's all-linear leaves it out), built
-and prepared as the fine-tuning template does, it computes on this rank's batch the loss of its target tokens twice:
+For full fine-tuning and LoRA on the tiny model (tied embeddings), LoRA that wraps its output layer (tied to the
+embedding: SmolLM2's case), and on one with an output layer of its own full fine-tuning and LoRA that wraps that output
+layer too (explicit targets; peft's all-linear leaves it out), each built from its own folder's config and prepared as
+the fine-tuning template does, it computes on this rank's batch the loss of its target tokens twice:
 with `common.pretrained.target_token_losses` (chunks of 4 targets, so several chunks and recomputation) and from the
 whole logits (F.cross_entropy over [batch, seq, vocab], the template's loss before), each followed by a backward,
 and writes to <out>.rank<N>.json, per model, both losses and the largest gradient difference (full tensors
-under FSDP2). It also compares the per-token losses of an evaluation, and checks that a micro-batch without a
-single target token gives a zero loss whose backward completes on every rank (DDP waits for every gradient).
+under FSDP2), and the norm of each parameter's gradient of the whole loss averaged over 2 ranks' batches (on 1
+process both batches are computed here), for the test to compare across launches. It also compares the per-token
+losses of an evaluation, and checks that a micro-batch without a single target token gives a zero loss whose
+backward completes on every rank (DDP waits for every gradient).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import DistributedType
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -70,18 +72,17 @@ def main() -> None:
     accelerator = build_accelerator(seed=0)
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
-    batch = rank_batch(accelerator.process_index, config.vocab_size)
+    batch = rank_batch(accelerator.process_index, AutoConfig.from_pretrained(model_dir).vocab_size)
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
     lora = {"lora_r": 4, "lora_dropout": 0.0}
+    output_layer = lora | {"lora_target_modules": ["q_proj", "v_proj", "lm_head"]}
     for name, folder, options in (("full", model_dir, {}), ("lora", model_dir, lora),
+                                  ("lora-output-layer-tied", model_dir, output_layer),
                                   ("full-untied", untied_dir, {}),
-                                  ("lora-output-layer-untied", untied_dir,
-                                   lora | {"lora_target_modules": ["q_proj", "v_proj", "lm_head"]})):
-        if name == "lora-output-layer-untied" and accelerator.distributed_type == DistributedType.FSDP:
-            continue  # LoRA on the output layer does not load under FSDP2 yet (tie_weights on the sharded model)
+                                  ("lora-output-layer-untied", untied_dir, output_layer)):
         torch.manual_seed(0)
         cfg = template.Config(model=folder, data_path="unused", **options)
+        config = AutoConfig.from_pretrained(folder)  # as the template does: the config of --model itself
         model = accelerator.prepare(template.load_model(cfg, accelerator, config))
         if name != "full":  # LoRA's B starts at zero: a gradient of the base path alone would hide a wrong head
             with torch.no_grad():
@@ -97,6 +98,13 @@ def main() -> None:
                                 ignore_index=IGNORE, reduction="sum")
         whole.backward()
         whole_grads = full_grads(model)
+        over_two_ranks = whole_grads  # DDP and FSDP2 average the gradients of the ranks' batches
+        if accelerator.num_processes == 1:
+            other = rank_batch(1, config.vocab_size)
+            F.cross_entropy(model(input_ids=other["input_ids"], attention_mask=other["attention_mask"],
+                                  use_cache=False).logits[:, :-1].flatten(0, 1).float(),
+                            other["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum").backward()
+            over_two_ranks = {k: (g + whole_grads[k]) / 2 for k, g in full_grads(model).items()}
         with torch.no_grad():
             per_token, rows = target_token_losses(model, batch["labels"], IGNORE, per_token=True, chunk=4, **inputs)
             reference = F.cross_entropy(model(**inputs).logits[:, :-1].transpose(1, 2).float(),
@@ -113,6 +121,8 @@ def main() -> None:
             "same_grads": sorted(chunked_grads) == sorted(whole_grads),
             "grad_max_diff": max((chunked_grads[k] - whole_grads[k]).abs().max().item() for k in whole_grads),
             "grad_max": max(g.abs().max().item() for g in whole_grads.values()),
+            "grad_norms_over_two_ranks": {k.removeprefix("module."): g.norm().item()
+                                          for k, g in over_two_ranks.items()},
             "per_token_max_diff": (per_token - reference[mask]).abs().max().item(),
             "rows_match": torch.equal(rows, mask.nonzero()[:, 0]),
             "empty_loss": empty.item(), "empty_grad_max": max(g.abs().max().item() for g in empty_grads.values()),
