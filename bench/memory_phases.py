@@ -178,6 +178,11 @@ def phases(result: dict) -> list[dict]:
         row["pss"] = max(row["pss"], pss)
         if total > row["peak"]:
             row["peak"], row["parts"] = total, parts
+    for start, name in marks:  # a phase shorter than the 50 ms between samples: the tree's memory as it began
+        before = [sample for sample in result["samples"] if sample[0] <= start] or result["samples"][:1]
+        if name not in out and before:
+            _, total, pss, parts = before[-1]
+            out[name] = {"phase": name, "seconds": 0.0, "peak": total, "pss": pss, "parts": parts, "first": start}
     for (start, name), (end, _) in zip(bounds, bounds[1:]):  # durations from the marks
         row = out.get(name)
         if row is not None and end != float("inf"):
