@@ -444,9 +444,17 @@ def scalar_config(config: dict) -> dict:
 
 
 def say(accelerator: Accelerator, text: str) -> None:
-    """Print on the main process through tqdm, so a live progress bar is redrawn below the line, not glued to it."""
+    """Print on the main process through tqdm, so a live progress bar is redrawn below the line, not glued to it.
+    Where the bar reaches the terminal through accelerate's pipe, the line takes the same way: straight to stdout it
+    would overtake the bar's clearing, still in the pipe, and be drawn after the bar on its line."""
     if accelerator.is_main_process:
-        tqdm.write(text)
+        tqdm.write(text, file=sys.stderr if terminal_behind_a_pipe() else None)
+
+
+def terminal_behind_a_pipe() -> bool:
+    """accelerate's launcher of one process reads our stderr through a pipe (to repeat its tail after a failure) and
+    writes it to its own: there a terminal shows on stdout only, which the launcher leaves us."""
+    return sys.stdout.isatty() and stat.S_ISFIFO(os.fstat(sys.stderr.fileno()).st_mode)
 
 
 class LinesOnly:
@@ -471,9 +479,7 @@ def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: s
     order among the bar's (Python writes a file's stdout in blocks)."""
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # (a notebook's stream has none)
         sys.stdout.reconfigure(line_buffering=True)
-    # accelerate's launcher of one process reads our stderr through a pipe (to repeat its tail after a failure) and
-    # writes it to its own: there a terminal shows on stdout only, which the launcher leaves us
-    terminal = sys.stderr.isatty() or (sys.stdout.isatty() and stat.S_ISFIFO(os.fstat(sys.stderr.fileno()).st_mode))
+    terminal = sys.stderr.isatty() or terminal_behind_a_pipe()
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.1 if terminal else 30,
                 maxinterval=10 if terminal else 60,  # the interval of tqdm's own refresh of a bar in a slow stretch
                 file=sys.stderr if terminal else LinesOnly(sys.stderr), disable=not accelerator.is_main_process)
