@@ -35,7 +35,7 @@ from accelerate.utils import (
 
 from common.background_save import finish_background_saves
 from common.checkpoint import CheckpointManager
-from common.errors import EXIT_PREEMPTED, UsageError
+from common.errors import EXIT_PREEMPTED, StoppedBeforeTraining, UsageError
 from common.tracking import say, sweep_run_dir
 
 if dist.is_available():
@@ -119,6 +119,9 @@ def build_accelerator(
 # choice such as SIGUSR1 via `--signal`, some time before they kill a job. The handler only sets a
 # flag; the training loop asks `stop_requested()` after each optimizer step, and all ranks agree
 # through one tiny all-reduce, so they stop at the same step even when only one rank got the signal.
+# On one process, before the session's first optimizer step, the handler ends the run at once instead
+# (StoppedBeforeTraining): there is nothing to save yet, and accelerate's launcher kills its rank 5 s after
+# passing a stop on, where the first step may be minutes away (a model's load, the evaluation before training).
 #
 # Under `wandb agent` the two signals mean different things. The agent itself stops a run with SIGTERM
 # (hyperband's early termination, a stopped or cancelled sweep): that run is over for good. SIGUSR1
@@ -154,6 +157,13 @@ class PreemptionWatcher:
     def _on_signal(self, signum, frame) -> None:
         if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
             self.received = signum
+        # One process, nothing trained in this session: end where the run is (once: the launcher passes on a
+        # signal the process group got too). Not with several ranks: one rank's end there would meet the others in
+        # a collective, and torchrun gives its ranks 30 s, not accelerate's 5.
+        if self.session_steps == 0 and self.num_processes == 1 and not self.stop_agreed:
+            self.stop_agreed = True
+            raise StoppedBeforeTraining("preempted" if self.requeue else "stopped",
+                                        EXIT_PREEMPTED if self.requeue else 0, self.stop_reason())
 
     def check_step(self, grad_norm: torch.Tensor, checkpoints: CheckpointManager | None = None) -> bool:
         """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange, and

@@ -30,14 +30,17 @@ SILENT_RANK_GRACE_S = 15.0
 
 F = TypeVar("F", bound=Callable[..., object])
 
-# Called with (exit code, message) when main() fails after the run started: see RunStatus below.
+# Called with (exit code, message) when main() fails after the run started, and with (state, reason) when it
+# ends for a stop signal before its first step: see RunStatus below.
 _failure_hook: Callable[[int, str], None] | None = None
+_stop_hook: Callable[[str, str], None] | None = None
 
 
-def at_failure(hook: Callable[[int, str], None] | None) -> None:
-    """Have `hook(exit_code, message)` called when the wrapped main() fails (one hook: the current run's)."""
-    global _failure_hook
-    _failure_hook = hook
+def at_failure(hook: Callable[[int, str], None] | None, stopped: Callable[[str, str], None] | None = None) -> None:
+    """Have `hook(exit_code, message)` called when the wrapped main() fails, and `stopped(state, reason)` when it
+    ends for a StoppedBeforeTraining (one pair: the current run's)."""
+    global _failure_hook, _stop_hook
+    _failure_hook, _stop_hook = hook, stopped
 
 
 class UsageError(Exception):
@@ -50,6 +53,19 @@ class NonFiniteError(Exception):
 
 class SaveError(OSError):
     """Writing a checkpoint or the export failed (disk full, ...); the message names it and says what is kept."""
+
+
+class StoppedBeforeTraining(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGUSR1) before the session's first optimizer step, raised by the signal handler
+    (common.accelerator.PreemptionWatcher) where the run then is. Nothing was trained since the run's start or the
+    checkpoint it resumed from, so there is nothing to save and the run ends at once, as it would at a step: a
+    launcher kills a rank that has not ended a few seconds after passing a stop on (accelerate: 5 s), and the
+    step may be further away (a model's load, the evaluation before training). A KeyboardInterrupt, which the
+    libraries it may interrupt (W&B, the DataLoader) handle as a user's stop."""
+
+    def __init__(self, state: str, exit_code: int, reason: str):
+        super().__init__(reason)
+        self.state, self.exit_code, self.reason = state, exit_code, reason
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
@@ -234,6 +250,14 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
                 raise
             where = f" writing {error.filename}" if error.filename else ""
             _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
+        except StoppedBeforeTraining as stop:
+            if _stop_hook is not None:
+                _stop_hook(stop.state, stop.reason)
+            _close_progress_bars()
+            if is_first_local_process():
+                print(f"stopped before its first step by {stop.reason}; nothing new to save, "
+                      "continue with --resume auto", file=sys.stderr if stop.exit_code else sys.stdout, flush=True)
+            sys.exit(stop.exit_code)
         except KeyboardInterrupt:
             _report("interrupted by Ctrl-C" + (f"; {interrupted}" if interrupted else ""), EXIT_INTERRUPTED)
         except (MemoryError, RuntimeError) as error:
@@ -276,7 +300,7 @@ class RunStatus:
         self.ended = False
         self._lock = threading.Lock()  # a checkpoint's update (writer thread) never overwrites the end state
         self._write("running")
-        at_failure(self.failed)  # every error that ends main() records itself here
+        at_failure(self.failed, stopped=self.end)  # every error that ends main() records itself here
         if checkpoints is not None:
             checkpoints.on_published = self.checkpointed
 

@@ -5,11 +5,12 @@
 
 A trial is a tiny `accelerate launch -q` run of a template in a session of its own (a terminal's process group),
 on one cell: the language model on 1 process, 2 DDP ranks or 2 FSDP2 ranks (W&B offline on), the image classifier
-on 1 process or 2 DDP ranks. One signal comes at a moment drawn uniformly over the run's whole life, from its launch
-to 10% past the end of an uninterrupted run of the same cell (measured first) for half the trials, and from the
-run's start (its status.json written) to the same end for the other half, so start-up, loader start, training,
-evaluation, checkpoint writes, the export and the end are all hit: SIGTERM or SIGINT to the launcher alone or to the
-whole process group, SIGUSR1 to rank 0, or SIGKILL to rank 0 or 1. A trial holds when
+on 1 process or 2 DDP ranks, the fine-tuning template (scripts/make_tiny_model.py's model, W&B offline on) on 1
+process (full fine-tuning) or 2 DDP ranks (LoRA). One signal comes at a moment drawn uniformly over the run's
+whole life, from its launch to 10% past the end of an uninterrupted run of the same cell (measured first) for half
+the trials, and from the run's start (its status.json written) to the same end for the other half, so start-up,
+loader start, training, evaluation, checkpoint writes, the export and the end are all hit: SIGTERM or SIGINT to the
+launcher alone or to the whole process group, SIGUSR1 to rank 0, or SIGKILL to rank 0 or 1. A trial holds when
 - no process of the run is left 15 s after the launcher exits;
 - the launcher's exit code is one the README gives for it (0, 1, 130, 143; killed by the SIGINT or SIGTERM itself,
   -2 or -15, which a shell reports as 130 or 143; before the run starts, while the launcher or a rank imports, a
@@ -47,8 +48,13 @@ LM_ARGS = ("--max_steps", "24", "--eval_every_steps", "8", "--eval_batches", "2"
            "--checkpoint_every_steps", "5", "--log_every_steps", "1", "--dropout", "0.1", "--tracker", "wandb")
 IMAGE_ARGS = ("--epochs", "1", "--width", "8", "--depth", "1", "--batch_size", "128", "--num_workers", "1",
               "--checkpoint_every_steps", "3", "--log_every_steps", "1", "--tracker", "none")
+FT_ARGS = ("--max_steps", "12", "--eval_every_steps", "4", "--batch_size", "8", "--eval_samples", "2",
+           "--sample_tokens", "8", "--num_workers", "1", "--log_every_steps", "1", "--tracker", "wandb")
 CELLS = {"lm-1": ("lm", "cpu.yaml", 1), "lm-ddp": ("lm", "cpu_ddp.yaml", 2), "lm-fsdp": ("lm", "fsdp.yaml", 2),
-         "image-1": ("image", "cpu.yaml", 1), "image-ddp": ("image", "cpu_ddp.yaml", 2)}
+         "image-1": ("image", "cpu.yaml", 1), "image-ddp": ("image", "cpu_ddp.yaml", 2),
+         "ft-1": ("ft", "cpu.yaml", 1), "ft-ddp": ("ft-lora", "cpu_ddp.yaml", 2)}
+SCRIPTS = {"lm": "language_model.py", "image": "image_classification.py", "ft": "finetune_causal_lm.py",
+           "ft-lora": "finetune_causal_lm.py"}
 SIGNALS = ("TERM launcher", "INT launcher", "TERM group", "INT group", "USR1 rank0", "KILL rank0", "KILL rank1")
 LAUNCHER_CODES = {0, 1, 130, 143}
 END_STATES = {"finished", "stopped", "preempted"}
@@ -64,9 +70,12 @@ def clean_env() -> dict[str, str]:
 
 
 def command(cell: str, output: Path, corpus: Path, resume: bool = False) -> list[str]:
+    """The cell's launch; `corpus` is the language model's text, beside it the fine-tuning model and data."""
     template, config, processes = CELLS[cell]
-    script = REPO / "templates" / ("language_model.py" if template == "lm" else "image_classification.py")
-    args = (*LM_ARGS, "--data_path", str(corpus)) if template == "lm" else IMAGE_ARGS
+    script = REPO / "templates" / SCRIPTS[template]
+    args = {"lm": (*LM_ARGS, "--data_path", str(corpus)), "image": IMAGE_ARGS}.get(template) or (
+        *FT_ARGS, "--model", str(corpus.parent / "tiny_model"), "--data_path", str(corpus.parent / "reverse.jsonl"),
+        *(("--lora_r", "4") if template == "ft-lora" else ()))
     config_file = REPO / "accelerate_configs" / config
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "-q",
             "--main_process_port", str(free_port()), "--num_processes", str(processes), str(script), *args,
@@ -118,10 +127,16 @@ def training_processes(launcher: int, marker: str) -> dict[int, int]:
     return found
 
 
-def model_tensors(path: Path) -> dict:
+def model_tensors(output: Path) -> dict:
+    """The exported weights of a run folder: model.safetensors, or the fine-tuning template's export in model/ (the
+    whole model or the LoRA adapter)."""
     from safetensors.torch import load_file
 
-    return load_file(path) if path.is_file() else {}
+    for path in (output / "model.safetensors", output / "model" / "model.safetensors",
+                 output / "model" / "adapter_model.safetensors"):
+        if path.is_file():
+            return load_file(path)
+    return {}
 
 
 @dataclass
@@ -187,7 +202,7 @@ def run_trial(trial: Trial, root: Path, corpus: Path, baseline: dict) -> Trial:
     if baseline is not None:
         done = subprocess.run(command(trial.cell, output, corpus, resume=True), cwd=REPO, env=clean_env(),
                               capture_output=True, text=True, timeout=300)
-        final = model_tensors(output / "model.safetensors")
+        final = model_tensors(output)
         if done.returncode != 0 or final.keys() != baseline.keys() or \
                 any(not final[key].equal(baseline[key]) for key in baseline):
             trial.problems.append(f"resume: exit {done.returncode}, not bit-identical to the uninterrupted run "
@@ -211,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stress_signals_") as tmp:
         root = Path(tmp)
         corpus = write_tiny_corpus(root / "tiny.txt")
+        if any(CELLS[cell][0].startswith("ft") for cell in cells):
+            sys.path.insert(0, str(REPO / "scripts"))
+            from make_tiny_model import make_tiny_model, reverse_task
+
+            make_tiny_model(root / "tiny_model")
+            (root / "reverse.jsonl").write_text("".join(json.dumps(e) + "\n" for e in reverse_task(300)))
         baselines, seconds, start_up = {}, {}, {}
         for cell in cells:  # an uninterrupted run of each cell: its length, and the model a resume must match
             started, output = time.monotonic(), root / f"baseline-{cell}"
@@ -224,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             if done.returncode != 0:
                 print(f"the uninterrupted {cell} run failed:\n{text[-3000:]}")
                 return 1
-            baselines[cell] = model_tensors(root / f"baseline-{cell}" / "model.safetensors")
+            baselines[cell] = model_tensors(root / f"baseline-{cell}")
+            if not baselines[cell]:
+                print(f"the uninterrupted {cell} run exported no weights")
+                return 1
             print(f"baseline {cell}: {seconds[cell]:.1f} s, {start_up[cell]:.1f} s of it before the run started",
                   flush=True)
         trials = []

@@ -17,6 +17,9 @@ steps of this session) and, on the chosen rank (default: every rank), at FAULT_S
                (and their loader workers) in its own way; they stop at a step >= FAULT_STEP
     signal_group  send FAULT_SIGNAL to this process's whole process group (a terminal's Ctrl-C, `kill -- -PGID`,
                `scancel`): the launcher, every rank and their loader workers at once
+               (the three signal faults with FAULT_STEP=0: at the start of the session's first evaluation, the
+               fine-tuning template's evaluation before training, which then lasts FAULT_SLOW_S seconds longer,
+               as a real model's does: longer than a launcher waits for a rank it passed a stop to)
     stop       SIGSTOP this process just before step FAULT_STEP: a rank that hangs
     enospc     the first checkpoint save at a step >= FAULT_STEP writes part of a file, then fails
                with OSError(ENOSPC) on this rank
@@ -171,18 +174,25 @@ def children_commands() -> list[bytes]:
     return found
 
 
+SIGNAL_FAULTS = ("signal", "signal_launcher", "signal_group")
+
+
+def send_stop_signal() -> None:
+    calls["fired"] = True
+    signum = getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM"))
+    if FAULT == "signal_group":  # from another process, as a terminal's or scancel's (the workers know the pid)
+        subprocess.run(["sh", "-c", f"kill -s {signum.name[3:]} -- -{os.getpgid(0)}"], check=False)
+        wait_for_the_launcher()
+    else:
+        os.kill(os.getpid() if FAULT == "signal" else os.getppid(), signum)
+
+
 def clip_grad_norm_(self, parameters, *args, **kwargs):
     parameters = list(parameters)  # a generator (model.parameters()) is read here and by the real clip
     # A stop signal arrives during the step (here: after its backward passes, before the optimizer step). The
     # ranks agree on stop signals in the step's check before the optimizer step, so they stop after this one.
-    if ACTS and not calls["fired"] and FAULT in ("signal", "signal_launcher", "signal_group") and global_step() == AT:
-        calls["fired"] = True
-        signum = getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM"))
-        if FAULT == "signal_group":  # from another process, as a terminal's or scancel's (the workers know the pid)
-            subprocess.run(["sh", "-c", f"kill -s {signum.name[3:]} -- -{os.getpgid(0)}"], check=False)
-            wait_for_the_launcher()
-        else:
-            os.kill(os.getpid() if FAULT == "signal" else os.getppid(), signum)
+    if ACTS and not calls["fired"] and FAULT in SIGNAL_FAULTS and AT > 0 and global_step() == AT:
+        send_stop_signal()
     if ACTS and not calls["fired"] and FAULT == "nan_grad" and global_step() == AT:
         calls["fired"] = True
         biggest = max((p for p in parameters if p.grad is not None), key=lambda p: p.numel())
@@ -192,6 +202,16 @@ def clip_grad_norm_(self, parameters, *args, **kwargs):
 
 
 Accelerator.clip_grad_norm_ = clip_grad_norm_
+
+# --- the session's first evaluation (FAULT_STEP=0 of the signal faults): a stop signal during a long one
+if hasattr(template, "evaluate"):
+    def evaluate(*args, real_evaluate=template.evaluate, **kwargs):
+        if ACTS and not calls["fired"] and FAULT in SIGNAL_FAULTS and AT == 0:
+            send_stop_signal()
+            time.sleep(float(os.environ.get("FAULT_SLOW_S", "5")))  # the evaluation of a real model goes on
+        return real_evaluate(*args, **kwargs)
+
+    template.evaluate = evaluate
 
 # --- checkpoint saves: the write phase where each rank writes its part of the state (at the step or in the background)
 real_write_state = template.CheckpointManager.write_state

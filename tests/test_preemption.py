@@ -10,16 +10,19 @@ import pytest
 
 from common.accelerator import PreemptionWatcher, build_accelerator, end_run
 from common.checkpoint import TrainingState
-from common.errors import EXIT_PREEMPTED, RunStatus, at_failure, read_status, with_exit_codes
+from common.errors import EXIT_PREEMPTED, RunStatus, StoppedBeforeTraining, at_failure, read_status, with_exit_codes
 from common.tracking import Tracker
 
 
 @pytest.fixture
 def run(fresh_accelerate):
-    """An accelerator and the stop-signal watcher of its run; the signal handlers are put back afterwards."""
+    """An accelerator and the stop-signal watcher of its run, past the session's first step (before it a signal ends
+    the run at once: test_a_stop_before_the_first_step_...); the signal handlers are put back afterwards."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     accelerator = build_accelerator(seed=0)
-    yield accelerator, PreemptionWatcher(accelerator)
+    watcher = PreemptionWatcher(accelerator)
+    watcher.session_steps = 1
+    yield accelerator, watcher
     for signum, handler in previous.items():
         signal.signal(signum, handler)
     at_failure(None)  # RunStatus registered itself for the failure of a main() that never ran
@@ -49,6 +52,25 @@ def test_under_wandb_agent_sigterm_stops_for_good_and_sigusr1_requeues(watcher, 
     assert watcher.stop_requested() and watcher.requeue
     os.kill(os.getpid(), signal.SIGTERM)  # ... and is not undone by a later SIGTERM
     assert watcher.requeue
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_stop_before_the_first_step_ends_the_run_where_it_is_once(run, monkeypatch, sweep):
+    """Before the session's first optimizer step (one process) the handler raises: nothing to save, and the launcher
+    would kill the run before a step far away. A KeyboardInterrupt, as the libraries it interrupts expect; once: the
+    launcher passes on a signal the process group got too, while the run ends."""
+    for name in ("WANDB_SWEEP_ID", "WANDB_RUN_ID"):
+        monkeypatch.setenv(name, "x") if sweep else monkeypatch.delenv(name, raising=False)
+    watcher = run[1]
+    watcher.session_steps = 0
+    with pytest.raises(StoppedBeforeTraining) as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode: never gets here
+    assert isinstance(stopped.value, KeyboardInterrupt)
+    assert (stopped.value.state, stopped.value.exit_code) == (("stopped", 0) if sweep else ("preempted", 75))
+    assert stopped.value.reason == watcher.stop_reason() and watcher.stop_agreed
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy of it: recorded, not raised
+    assert watcher.received == signal.SIGTERM
 
 
 END_OF = {  # how the loop ended -> (status.json's state, its reason, the exit code)

@@ -6,9 +6,11 @@ random moments (tests/test_stress_signals.py samples it)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,11 @@ from common.errors import read_status
 from conftest import CONFIGS, REPO, clean_env, free_port, launch, wait_for_no_processes
 from helpers import read_metrics, wandb_history_steps, write_tiny_corpus
 
+sys.path.insert(0, str(REPO / "scripts"))
+from make_tiny_model import reverse_task  # noqa: E402
+
 LM = REPO / "templates" / "language_model.py"
+FINETUNE = REPO / "templates" / "finetune_causal_lm.py"
 INJECT = REPO / "tests" / "fault_inject.py"
 PROGRESS_BAR = re.compile(r"^train:\s+\d+%\|")
 LM_ARGS = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--log_every_steps", "1",
@@ -109,3 +115,39 @@ def test_a_test_that_leaves_a_process_behind_fails_the_session(tmp_path):
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
     assert "1 passed" in result.stdout and "processes left behind by the tests (killed now):" in result.stdout
     assert re.search(r"\d+: sleep 1000", result.stdout), result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("fault", ["signal_launcher", "signal_group"])
+def test_a_stop_during_the_evaluation_before_training_ends_the_run_at_once(tmp_path, tiny_model, fault):
+    """On one process, a stop before the session's first step (here during the fine-tuning template's evaluation
+    before training, made 20 s long as a real model's is) ends the run at once: nothing was trained, so nothing to
+    save. Before, the run waited for its first step to stop there, and accelerate's launcher SIGKILLed it 5 s after
+    passing the SIGTERM on: status.json stayed `running`. Resumed, it trains to its end."""
+    data = tmp_path / "reverse.jsonl"
+    data.write_text("".join(json.dumps(example) + "\n" for example in reverse_task(200)))
+    output = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu.yaml"), "-q",
+               "--main_process_port", str(free_port()), str(INJECT), str(FINETUNE), "--model",
+               str(tiny_model), "--data_path", str(data), "--output_dir", str(output), "--max_steps", "6",
+               "--batch_size", "4", "--tracker", "wandb"]
+    env = clean_env(FAULT=fault, FAULT_STEP="0", FAULT_RANK="0", FAULT_SIGNAL="TERM", FAULT_SLOW_S="20")
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                            start_new_session=True)
+    took = time.monotonic() - started
+    assert result.returncode == 143, result.stderr[-3000:]
+    record = read_status(output)
+    assert (record["state"], record["step"], record["exit_code"]) == ("preempted", 0, 75), (record, took)
+    stop_line = ("stopped before its first step by SIGTERM (preemption); nothing new to save, "
+                 "continue with --resume auto")
+    lines = last_lines(result.stderr)
+    assert lines[-1] == stop_line, (lines[-10:], took)
+    assert not list(output.glob("step_*")), "nothing trained, nothing saved"
+    for text in (result.stdout, result.stderr):
+        assert "Traceback" not in text and "terminate called" not in text, text[-3000:]
+    assert wait_for_no_processes(str(output), timeout=10) == []
+
+    resumed = launch("cpu.yaml", FINETUNE, "--model", str(tiny_model), "--data_path", str(data), "--output_dir",
+                     str(output), "--max_steps", "6", "--batch_size", "4", "--tracker", "none", "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_status(output)["state"] == "finished"
