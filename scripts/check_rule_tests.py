@@ -314,7 +314,7 @@ MUTATIONS = [
              "self.enabled = accelerator.is_main_process", "self.enabled = True",
              tests=ONCE.format(lm)),
     mutation("printed-by-every-rank", "distributed: logging on main", TRACKING,
-             "    if accelerator.is_main_process:\n        tqdm.write(text)", "    tqdm.write(text)",
+             "    if accelerator.is_main_process:\n        tqdm.write(text,", "    if True:\n        tqdm.write(text,",
              tests=ONCE.format(image)),
     mutation("progress-bar-on-every-rank", "distributed: progress bar on main", TRACKING,
              "disable=not accelerator.is_main_process)", "disable=False)",
