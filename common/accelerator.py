@@ -24,32 +24,25 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    set_seed,
-)
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin,
+                               GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed)
 
 from common.background_save import finish_background_saves
 from common.checkpoint import CheckpointManager
+from common.data import STOP_SIGNALS
 from common.errors import EXIT_PREEMPTED, StoppedBeforeTraining, UsageError
 from common.tracking import say, sweep_run_dir
 
 if dist.is_available():
-    # Imported before any process group exists. Its functions take `group=group.WORLD` as a default argument,
-    # evaluated on import; imported later (DDP imports it lazily) that default holds the live group forever,
-    # and the group could never be freed (release_process_group).
+    # Imported before any process group exists: its functions' default `group=group.WORLD`, evaluated on import,
+    # would otherwise hold the live group forever (DDP imports it lazily), never to be freed (release_process_group).
     import torch.distributed.nn.functional
 
 # The process group build_accelerator joined: held here so that release_process_group() drops the last reference.
 _GROUPS: list = []
 
-# accelerate's optimizer wrapper asks on every step (twice) and its backward once whether the optional
-# lomo_optim package is installed: an uncached import-system search costing ~0.1 ms each, measured as
-# 1-4% of a small model's step time (bench/overhead.py). Installed packages do not change mid-run.
+# accelerate's optimizer wrapper and backward ask at every step whether the optional lomo_optim package is installed:
+# an uncached import-system search each time (bench/overhead.py). Installed packages do not change mid-run.
 for _module in (accelerate.optimizer, accelerate.accelerator):
     if hasattr(_module, "is_lomo_available") and not hasattr(_module.is_lomo_available, "cache_info"):
         _module.is_lomo_available = functools.cache(_module.is_lomo_available)
@@ -69,40 +62,31 @@ def resolve_mixed_precision(requested: str, has_cuda: bool, has_bf16: bool) -> s
     return requested
 
 
-def build_accelerator(
-    *,
-    seed: int,
-    mixed_precision: str = "auto",
-    gradient_accumulation_steps: int = 1,
-    timeout_s: float = 600.0,
-    force_cpu: bool = False,
-) -> Accelerator:
+def build_accelerator(*, seed: int, mixed_precision: str = "auto", gradient_accumulation_steps: int = 1,
+                      timeout_s: float = 600.0, force_cpu: bool = False) -> Accelerator:
     """Create the Accelerator from the `accelerate launch` config plus the template's settings.
 
     - CPU ranks: without `cpu=True` two CPU processes launched by a MULTI_GPU config would never
       join a process group and would silently each train alone; with it they form one gloo job.
-    - FSDP on CPU: accelerate only turns FSDP on for GPUs. For debugging and CI we switch the state
-      to FSDP2 ourselves when the launch config asked for FSDP, which `fully_shard` supports on gloo.
+    - FSDP on CPU: accelerate turns FSDP on for GPUs only; where the launch config asks for it, the state is
+      switched to FSDP2 here (for debugging and CI), which `fully_shard` supports on gloo.
     - `timeout_s` bounds every collective, so a dead rank ends the job instead of hanging it.
     """
     use_cpu = force_cpu or not torch.cuda.is_available()
     has_bf16 = (not use_cpu) and torch.cuda.is_bf16_supported()
     precision = resolve_mixed_precision(mixed_precision, has_cuda=not use_cpu, has_bf16=has_bf16)
-    if use_cpu:
-        # accelerate reads this too; setting it keeps every later PartialState() consistent
+    if use_cpu:  # accelerate reads this too: every later PartialState() agrees
         os.environ["ACCELERATE_USE_CPU"] = "true"
     accelerator = Accelerator(
         cpu=use_cpu,
         mixed_precision=precision,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=gradient_accumulation_steps, sync_with_dataloader=True
-        ),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=gradient_accumulation_steps,
+                                                                sync_with_dataloader=True),
         # Same shuffle on every rank (each then takes its shard) and a new one each epoch from seed + epoch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=not use_cpu),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))],
-        # The templates call scheduler.step() once per optimizer step and size the schedule in those
-        # steps. accelerate's default would step it num_processes times per call (it assumes a schedule
-        # sized for one process), ending warmup and decay early under DDP/FSDP.
+        # The templates step the scheduler once per optimizer step, sized in those steps; accelerate's default
+        # steps it num_processes times per call, ending warmup and decay early under DDP/FSDP.
         step_scheduler_with_optimizer=False,
     )
     if use_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -113,22 +97,13 @@ def build_accelerator(
 
 
 # --------------------------------------------------------------------------------- stop signals
-# Stop cleanly when the scheduler says so: SIGTERM or SIGUSR1 -> finish the step, agree, checkpoint, exit.
-#
-# Slurm (and most cluster schedulers, and spot-instance agents) send SIGTERM, or a signal of your
-# choice such as SIGUSR1 via `--signal`, some time before they kill a job. The handler only sets a
-# flag; the training loop asks `stop_requested()` after each optimizer step, and all ranks agree
-# through one tiny all-reduce, so they stop at the same step even when only one rank got the signal.
-# On one process, before the session's first optimizer step, the handler ends the run at once instead
-# (StoppedBeforeTraining): there is nothing to save yet, and accelerate's launcher kills its rank 5 s after
-# passing a stop on, where the first step may be minutes away (a model's load, the evaluation before training).
-#
-# Under `wandb agent` the two signals mean different things. The agent itself stops a run with SIGTERM
-# (hyperband's early termination, a stopped or cancelled sweep): that run is over for good. SIGUSR1
-# stays the scheduler's warning of a preemption: that run asks W&B to requeue it (`requeue`), and the
-# agent that gets it again starts it under the same run id, in the same folder, where it resumes.
-# Outside a sweep both signals mean "preempted: requeue me" (exit code 75).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGTERM or SIGUSR1 (Slurm's `--signal`, spot-instance agents: some time before a kill) -> finish the step, agree,
+# checkpoint, exit. The handler only sets a flag; the loop asks `stop_requested()` after each optimizer step, and the
+# ranks agree in one tiny all-reduce, so they stop at the same step even when one rank alone got the signal (before
+# the session's first step, on one process, the handler ends the run at once: StoppedBeforeTraining).
+# Outside a sweep both signals mean "preempted: requeue me" (exit 75). Under `wandb agent`, SIGTERM is the agent's
+# own stop (early termination, a stopped sweep): over for good; SIGUSR1 stays a preemption, and W&B requeues the run
+# (`requeue`) under the same id, in the same folder, where it resumes.
 # Agreed across ranks by MAX: a preemption warning on any rank outranks a plain stop on another.
 _RANK = {None: 0, signal.SIGTERM: 1, signal.SIGUSR1: 2}
 
@@ -141,9 +116,8 @@ def under_sweep_agent() -> bool:
 class PreemptionWatcher:
     def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
                  stop_after_steps: int = 0):
-        # Not the accelerator itself: the signal handlers keep this object alive to the end of the process,
-        # and through the accelerator's model they would keep the process group from ever being freed
-        # (common.accelerator.release_process_group).
+        # Not the accelerator itself: the signal handlers keep this object alive to the end of the process, and
+        # through its model it would keep the process group from ever being freed (release_process_group).
         self.num_processes = accelerator.num_processes
         self.device = accelerator.device
         self.received: int | None = None
@@ -157,25 +131,21 @@ class PreemptionWatcher:
     def _on_signal(self, signum, frame) -> None:
         if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
             self.received = signum
-        # One process, nothing trained in this session: end where the run is (once: the launcher passes on a
-        # signal the process group got too). Not with several ranks: one rank's end there would meet the others in
-        # a collective, and torchrun gives its ranks 30 s, not accelerate's 5.
+        # Once (the launcher passes on a signal its process group got too), and not with several ranks: one rank's
+        # end here would meet the others in a collective (and torchrun gives its ranks 30 s, not accelerate's 5).
         if self.session_steps == 0 and self.num_processes == 1 and not self.stop_agreed:
             self.stop_agreed = True
             raise StoppedBeforeTraining("preempted" if self.requeue else "stopped",
                                         EXIT_PREEMPTED if self.requeue else 0, self.stop_reason())
 
     def check_step(self, grad_norm: torch.Tensor, checkpoints: CheckpointManager | None = None) -> bool:
-        """Whether `grad_norm` is finite; every rank's stop signals are agreed on in the same exchange, and
-        whether the background write of `checkpoints` (the run's CheckpointManager) failed on any rank.
+        """Whether `grad_norm` is finite; in the same exchange the ranks agree on stop signals and on whether the
+        background write of `checkpoints` (the run's CheckpointManager, passed at each call, never kept) failed.
 
-        Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so that
-        non-finite gradients stop the run before they are applied. One small all-reduce and one host
-        sync for all three (a sync drains a GPU's launch queue: one per step at most); the `stop_requested()`
-        that follows at this step answers from it without another collective, and a failed background save
-        is raised by the checkpoint manager's `save_if_due` at this step, on every rank alike. The manager is
-        passed at each call, not kept: the signal handlers keep this watcher alive to the end of the process.
-        Each call counts one optimizer step of the session (for `stop_now`).
+        Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so non-finite
+        gradients are never applied. One small all-reduce and one host sync for all three; the `stop_requested()`
+        that follows answers from it, and `save_if_due` raises a failed background save at this step on every
+        rank. Each call counts one optimizer step of the session (for `stop_now`).
         """
         self.session_steps += 1
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
@@ -192,11 +162,8 @@ class PreemptionWatcher:
         return not non_finite
 
     def stop_requested(self) -> bool:
-        """True on every rank if any rank received a stop signal. Call it on all ranks at the same step.
-
-        After `check_step` at this step it answers from that agreement; otherwise it agrees itself.
-        Afterwards every rank holds the same `received` signal, also the ranks that got none.
-        """
+        """True on every rank if any rank received a stop signal. Call it on all ranks at the same step: it answers
+        from this step's `check_step`, or agrees itself. Then every rank holds the same `received` signal."""
         local, self._agreed = self._agreed, None
         if local is None:
             local = _RANK.get(self.received, 1)
@@ -234,16 +201,12 @@ class PreemptionWatcher:
 def end_run(accelerator: Accelerator, *, status, tracker, preemption: PreemptionWatcher, stopping: bool,
             reason: str | None = None) -> None:
     """What every run does last: record how it ended (status.json, W&B), close the process group, say why it
-    stopped, and exit with 75 when it must come back (preempted, not stopped for good by a sweep agent), so a
-    job script or W&B requeues it.
+    stopped, and exit 75 when it must come back (preempted, not stopped for good by a sweep agent).
 
-    `stopping`: the loop stopped for a stop signal or --stop_after_steps, and saved a checkpoint there. The reason
-    recorded (status.json, the stop line) is, when `stopping`, the signal the ranks agreed on at the last step, else
-    --stop_after_steps; none for a run that trained to its end (also if a signal came with its last step); a
-    template's own `reason` (early stopping) replaces it.
-
-    The stop line comes after W&B's own lines, as the last one; on stderr when the run exits 75, since
-    `accelerate launch` shows (without -q) the tail of stderr when a run exits with another code than 0.
+    `stopping`: the loop stopped for a stop signal or --stop_after_steps and saved a checkpoint there; the reason
+    recorded is the agreed signal, else --stop_after_steps (none for a run that trained to its end), unless the
+    template gives its own `reason` (early stopping). The stop line is the last one, after W&B's; on stderr when
+    the run exits 75, whose stderr tail `accelerate launch` shows.
     """
     if reason is None:
         reason = (preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps") if stopping else ""
@@ -260,11 +223,8 @@ def end_run(accelerator: Accelerator, *, status, tracker, preemption: Preemption
 
 def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> None:
     """Refuse an output folder that is a file, or that cannot be created or written, before anything is written.
-
-    It only looks (os.access, no probe file), so a refused command leaves no trace. Root may write
-    whatever the permission bits say; what even root cannot write (a read-only file system, /proc/1)
-    is refused all the same.
-    """
+    It only looks (os.access, no probe file), so a refused command leaves no trace; what even root cannot write (a
+    read-only file system) is refused for root too."""
     target = existing = Path(path)
     try:
         while not existing.exists() and existing != existing.parent:
@@ -295,7 +255,6 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
     if hasattr(faulthandler, "register") and sys.__stderr__ is not None:  # `kill -USR2 <pid>`: every thread's stack
         # on the process's own stderr (where a hung run waits), also where sys.stderr has no file (notebook, pytest)
         faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
-    # SIGTERM / SIGUSR1 (or --stop_after_steps): checkpoint at the next step, then exit
     preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps)
     set_seed(cfg.seed)
     return accelerator, preemption
@@ -304,16 +263,13 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
 def release_process_group() -> None:
     """Destroy the process group and free it now, while Python is fully alive: gloo's worker threads end here.
 
-    gloo runs each collective on a worker thread, which lets go of the collective's tensors a moment after
-    the caller has the result; letting go of a tensor made in Python takes the GIL. Those threads end only
-    when the group is freed, and `destroy_process_group()` (accelerate's `end_training`) does not free it
-    while anything still refers to it: the model, and torch's own caches. A group that outlives the
-    interpreter leaves its threads running into interpreter shutdown, where a late let-go kills its thread
-    inside a destructor: std::terminate, SIGABRT, and a finished run exits -6 (README, "Errors and exit
-    codes"). Freeing the group joins its threads, with the GIL released, so each let-go happens first.
+    gloo's worker threads let go of a collective's tensors (which takes the GIL) a moment after the caller has the
+    result, and end only when the group is freed; `destroy_process_group()` does not free it while anything refers
+    to it (the model, torch's caches). A group that outlives the interpreter leaves them running into shutdown, where
+    a late let-go aborts (SIGABRT: a finished run exits -6). Freeing the group joins them first.
 
-    Call it after the training function has returned, as `with_exit_codes(release=release_process_group)`
-    does: its model holds the group too. Without a process group it does nothing.
+    Call it after the training function has returned (its model holds the group too), as
+    `with_exit_codes(release=release_process_group)` does. Without a process group it does nothing.
     """
     finish_background_saves()  # a checkpoint still being written ends first: its thread uses a group of its own
     if not _GROUPS and not (dist.is_available() and dist.is_initialized()):
@@ -344,11 +300,8 @@ def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:
 def describe(accelerator: Accelerator) -> str:
     """One line for the log: what kind of job this is."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-    return (
-        f"{kind} on {accelerator.device.type}, {accelerator.num_processes} process(es), "
-        f"mixed precision {accelerator.mixed_precision}, "
-        f"gradient accumulation {accelerator.gradient_accumulation_steps}"
-    )
+    return (f"{kind} on {accelerator.device.type}, {accelerator.num_processes} process(es), mixed precision "
+            f"{accelerator.mixed_precision}, gradient accumulation {accelerator.gradient_accumulation_steps}")
 
 
 # ------------------------------------------------------------------------------ what the hardware gives
@@ -359,8 +312,7 @@ PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
     ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
     ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
     ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0),
-    ("T4", 65.0),
-    ("MI300X", 1307.0),
+    ("T4", 65.0), ("MI300X", 1307.0),
 )
 
 
@@ -380,31 +332,13 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
-def model_flops_utilization(flops_per_s: float, devices: int, peak_tflops: float | None) -> float | None:
-    """Achieved model FLOP/s over the devices' peak; None without a peak, or when the result would exceed
-    100% (then the peak is wrong: a warning says so, once, rather than a false number being logged)."""
-    if not peak_tflops:
-        return None
-    mfu = flops_per_s / (devices * peak_tflops * 1e12)
-    if mfu > 1:
-        warnings.warn(f"MFU would be {mfu:.0%}: the peak of {peak_tflops:g} TFLOP/s is too low; pass --peak_tflops")
-        return None
-    return mfu
-
-
 class Throughput:
-    """What the log says about speed, over the micro-batches trained since the last reading (`restart`
-    leaves evaluation out): items per second, the share of the time spent waiting for the next batch
-    (`time/data_wait`), the time per optimizer step, the items per optimizer step (every process's: what
-    `scripts/plot_runs.py --x` counts), the peak memory, and MFU where the device's peak is known. The loop
-    iterates through `timed(batches)`, which counts the batches and times each wait.
-
-    A loop that waits for data more than `DATA_WAIT_WARNING` of the time in two log intervals in a row
-    gets one warning naming --num_workers: the GPU idles while the loader works (the practitioner's
-    "under 80% busy" check; one interval is not enough: an epoch's first batch always waits).
-
-    `items_per_micro_batch` is a number, or a function of the batch giving a count on the device (the
-    non-padding tokens of a padded batch, say): it is read on the host only at the reading.
+    """The log's speed figures over the micro-batches the loop took through `timed(batches)` since the last reading
+    (`restart` leaves evaluation out): items per second, the share of time spent waiting for data, time and items
+    (every process's) per optimizer step, peak memory, and MFU where the device's peak is known. Waiting more than
+    `DATA_WAIT_WARNING` of the time in two intervals in a row (one is not enough: an epoch's first batch always
+    waits) gets one warning naming --num_workers. `items_per_micro_batch`: a number, or a function of the batch
+    giving a count on the device (a padded batch's tokens), read on the host only at the reading.
     """
 
     DATA_WAIT_WARNING = 0.1
@@ -446,9 +380,13 @@ class Throughput:
                    "time/data_wait": self.waited / elapsed,
                    "time/step_ms": 1000 * elapsed * self.accumulation / max(1, self.batches),
                    "peak_memory_gb": peak_memory_gb(self.device)}
-        if self.flops_per_item:
-            mfu = model_flops_utilization(self.flops_per_item * per_s, self.processes, self.peak_tflops)
-            figures |= {"mfu": mfu} if mfu is not None else {}
+        if self.flops_per_item and self.peak_tflops:  # MFU: achieved model FLOP/s over the devices' peak
+            mfu = self.flops_per_item * per_s / (self.processes * self.peak_tflops * 1e12)
+            if mfu > 1:  # the peak is wrong: a warning (once) rather than a false number
+                warnings.warn(f"MFU would be {mfu:.0%}: the peak of {self.peak_tflops:g} TFLOP/s is too low; "
+                              "pass --peak_tflops")
+            else:
+                figures["mfu"] = mfu
         self.slow_intervals = self.slow_intervals + 1 if figures["time/data_wait"] > self.DATA_WAIT_WARNING else 0
         if self.slow_intervals == 2 and not self.warned:
             self.warned = True

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampl
 
 from common.errors import UsageError
 
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # what launchers and Slurm send to stop a run
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what launchers and Slurm send to stop a run (common.accelerator)
 _FORKED_BY: int | None = None  # in a worker forked through worker_context(): its training process, read before the fork
 
 
