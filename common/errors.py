@@ -30,8 +30,7 @@ SILENT_RANK_GRACE_S = 15.0
 
 F = TypeVar("F", bound=Callable[..., object])
 
-# Called with (exit code, message) when main() fails after the run started, and with (state, reason) when it
-# ends for a stop signal before its first step: see RunStatus below.
+# RunStatus's hooks (see at_failure), set once the run started.
 _failure_hook: Callable[[int, str], None] | None = None
 _stop_hook: Callable[[str, str], None] | None = None
 
@@ -56,12 +55,10 @@ class SaveError(OSError):
 
 
 class StoppedBeforeTraining(KeyboardInterrupt):
-    """A stop signal (SIGTERM, SIGUSR1) before the session's first optimizer step, raised by the signal handler
-    (common.accelerator.PreemptionWatcher) where the run then is. Nothing was trained since the run's start or the
-    checkpoint it resumed from, so there is nothing to save and the run ends at once, as it would at a step: a
-    launcher kills a rank that has not ended a few seconds after passing a stop on (accelerate: 5 s), and the
-    step may be further away (a model's load, the evaluation before training). A KeyboardInterrupt, which the
-    libraries it may interrupt (W&B, the DataLoader) handle as a user's stop."""
+    """A stop signal before the session's first optimizer step, raised by PreemptionWatcher's handler wherever the
+    run then is: nothing to save yet, and a launcher kills a rank a few seconds after passing a stop on (accelerate:
+    5 s) while the first step may be minutes away (a model's load, the first evaluation). A KeyboardInterrupt,
+    which the libraries it may interrupt (W&B, the DataLoader) handle as a user's stop."""
 
     def __init__(self, state: str, exit_code: int, reason: str):
         super().__init__(reason)
@@ -73,11 +70,8 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Timed ou
 
 
 def is_rank_lost(error: BaseException) -> bool:
-    """True when a collective failed because another rank is gone or hung past the process-group timeout.
-
-    torch raises DistError subclasses for NCCL and the rendezvous store; gloo (CPU ranks) raises a
-    plain RuntimeError whose message comes from gloo's transport and says what happened.
-    """
+    """True when a collective failed because another rank is gone or hung past the process-group timeout: torch's
+    DistError (NCCL, the rendezvous store), or gloo's plain RuntimeError whose message says so."""
     dist = sys.modules.get("torch.distributed")  # never imported here: the search runner has no torch
     if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
         return True
@@ -148,12 +142,9 @@ def _record_failure(code: int, message: str) -> None:
 
 
 def _release_process_group(release: Callable[[], None] | None, error: BaseException | None = None) -> None:
-    """Free the process group before Python shuts down (`release`: common.accelerator.release_process_group).
-
-    The group is freed only once nothing refers to it, and the frames of a traceback keep main()'s
-    model alive: `error`'s are cleared first. A Ctrl-C meanwhile (a terminal's, or one a launcher passes on) is
-    ignored: main() has ended, and a KeyboardInterrupt here would end a finished run in a traceback.
-    """
+    """`release()` (common.accelerator.release_process_group), once the frames of `error`'s traceback, which keep
+    main()'s model and so the group alive, are cleared. A Ctrl-C meanwhile is ignored: main() has ended, and a
+    KeyboardInterrupt here would end a finished run in a traceback."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -182,11 +173,9 @@ def _report(message: str, code: int, every_rank: bool = False) -> None:
 
 
 def _leave_the_line_to_local_rank_0() -> None:
-    """Bad input (an option, the data, a checkpoint that does not fit) is met by every rank before the run starts,
-    and only local rank 0 prints its line, which is then all the user gets. A launcher ends the whole job the
-    moment one rank exits with an error: had this rank exited first, local rank 0, a moment behind on a busy
-    machine, would get the launcher's SIGTERM before its line is out. So this silent rank waits; the launcher ends
-    the wait once rank 0 has exited with its line. (After the start, status.json holds the error in any case.)"""
+    """Bad input before the run starts fails every rank, and only local rank 0 prints the line the user gets. A
+    launcher ends the job the moment one rank exits with an error, so this silent rank waits, lest rank 0, a moment
+    behind, get the SIGTERM before its line is out; the launcher ends the wait once rank 0 has exited."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's preemption handler must not hold that SIGTERM off
     time.sleep(SILENT_RANK_GRACE_S)
@@ -212,8 +201,7 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
     (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
     that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
     `@with_exit_codes(interrupted="...")`. After main() returns or exits, but not after a lost rank,
-    `release()` runs: the templates pass common.accelerator.release_process_group, which frees the
-    process group before Python shuts down.
+    `release()` runs (the templates: common.accelerator.release_process_group).
     """
     if main is None:
         return functools.partial(with_exit_codes, interrupted=interrupted, release=release)  # type: ignore[return-value]
@@ -278,18 +266,13 @@ END_STATES = {"finished": 0, "stopped": 0, "preempted": EXIT_PREEMPTED}
 
 
 class RunStatus:
-    """`<output_dir>/status.json`: how the run stands, for job scripts and search runners.
-
-    Launchers do not pass exit codes on (`accelerate launch` turns every failure into 1, a SIGTERM it
-    receives into 143), so the main process records the end state itself, atomically: "running" from
-    the moment the run starts (after its settings were checked and its checkpoint loaded), then
-    "finished", "stopped" (--stop_after_steps, or stopped for good by a sweep agent), "preempted"
-    (checkpointed: requeue it) or "failed" (with the exit code and the error line). A reader that finds
-    "running" after the job ended knows the run crashed (SIGKILL, OOM killer, a lost machine).
-    While "running", `step` is where a resume would continue: the start (0, or the step resumed from), then
-    the step of each checkpoint once it is complete (given `checkpoints`, the run's CheckpointManager; a
-    background save reports from its writer thread). So it is written once per checkpoint, never per step.
-    With RUN_STATUS_FILE set, the same record is also written there (e.g. for a Slurm script).
+    """`<output_dir>/status.json`: how the run stands, for job scripts and search runners, since launchers do not
+    pass exit codes on (`accelerate launch` turns every failure into 1). Written atomically by the main process:
+    "running" once the run started (settings checked, checkpoint loaded), then "finished", "stopped"
+    (--stop_after_steps, or for good by a sweep agent), "preempted" (requeue it) or "failed" (exit code and error
+    line); "running" after the job ended means a crash (SIGKILL, OOM killer). While running, `step` is where a
+    resume would continue: the start, then each complete checkpoint's (given `checkpoints`, the run's
+    CheckpointManager). With RUN_STATUS_FILE set, the record is also written there (for a Slurm script, say).
     """
 
     def __init__(self, accelerator, output_dir: str | os.PathLike, state, checkpoints=None):
