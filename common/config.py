@@ -6,16 +6,12 @@
 
     config = parse_config(Config)  # --learning_rate=1e-4 | --learning-rate 1e-4 | --config run.yaml
 
-Values come from three places: a person typing, `wandb agent` (which passes Python `str()`
-of each sampled value: `True`, `[64, 128]`, `0.00031`, sometimes `64.0` for an int) and YAML
-files. All three go through the same coercion, so a sweep can set anything a person can.
+Values from a person typing, `wandb agent` (Python `str()` of each sampled value: `True`, `[64, 128]`, sometimes
+`64.0` for an int) and YAML files go through the same coercion, so a sweep can set anything a person can.
 Precedence: dataclass defaults < `--config` files (in the order given) < other options.
 
 Every number has a range, and strings with fixed values their choices (`option(default, help, range)`);
-`check_ranges` (in `RunOptions.__post_init__`) refuses anything else, and `--help` shows each one.
-Code below the config trusts these ranges and does not check them again.
-An option that a resume may change (how a session runs or is watched, not what it trains) says so where it
-is declared, `option(..., may_change=True)`; the checkpoint manager reads `may_change_on_resume(Config)`.
+`check_ranges` refuses anything else, `--help` shows each one, and code below the config trusts them.
 """
 
 from __future__ import annotations
@@ -64,9 +60,8 @@ def option(default: Any, help: str, range: str | tuple | None = None, *, may_cha
 
     `range`: an interval for numbers (`"[1, 1024]"` includes both ends, `"(0, 1)"` neither, `inf` means no
     bound), or a tuple of the choices for a string. Every int and float option needs one.
-    `may_change=True`: the option changes how a session runs or is watched, not what is trained, so a run may
-    resume with another value (see `may_change_on_resume`). A field declared again (for its own default) keeps
-    the policy of the declaration it replaces unless it says otherwise.
+    `may_change=True`: how a session runs or is watched, not what is trained: a resume may change it
+    (`may_change_on_resume`).
     """
     metadata = ({"help": help} | ({"range": range} if range is not None else {})
                 | ({"may_change": may_change} if may_change is not None else {}))
@@ -76,11 +71,9 @@ def option(default: Any, help: str, range: str | tuple | None = None, *, may_cha
 
 
 def may_change_on_resume(config_cls: type) -> frozenset[str]:
-    """The options of `config_cls` a resume may change (declared `option(..., may_change=True)`).
-
-    Any other difference from the checkpoint's settings means another run, and the resume refuses it. A field
-    declared again without `may_change` takes the policy of the nearest class before it that declares one.
-    """
+    """The options of `config_cls` a resume may change (declared `option(..., may_change=True)`); any other
+    difference means another run. A field declared again without `may_change` (for its own default) keeps the
+    policy of the nearest class before it that declares one."""
     allowed = set()
     for f in dataclasses.fields(config_cls):
         declared = (vars(cls).get("__dataclass_fields__", {}).get(f.name) for cls in config_cls.__mro__)
@@ -93,13 +86,8 @@ def may_change_on_resume(config_cls: type) -> frozenset[str]:
 
 @dataclasses.dataclass
 class RunOptions:
-    """The options every template shares: where a run writes, how it resumes, saves, logs and waits.
-
-    A template's `Config` extends it (and may give `output_dir`, `wandb_project` or `log_every_steps`
-    its own default by declaring the field again). Those marked `may_change=True` say where and how long
-    a session runs, how it reports and how often it saves: they change nothing about what is trained,
-    so a resume may change them.
-    """
+    """The options every template shares: where a run writes, how it resumes, saves, logs and waits. A template's
+    `Config` extends it (and may declare a field again for its own default)."""
 
     output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.",
                              may_change=True)
@@ -206,13 +194,9 @@ def config_to_dict(config: Any) -> dict:
 
 
 def check_ranges(config: Any) -> None:
-    """Refuse (ValueError) any value of `config` outside the range its field declares (`option`).
-
-    A number's range is an interval: `[1, 1024]` includes both ends, `(0, 1)` neither; an end of
-    `inf` (never included) means no bound, so a float with one must be finite; NaN is always refused.
-    A string's range is a tuple of its choices. Every int and float field needs a range: a template
-    without one fails loudly (TypeError).
-    """
+    """Refuse (ValueError) any value of `config` outside the range its field declares (`option`): a float whose
+    range has an `inf` end (never included) must be finite, NaN never passes. An int or float field without a
+    range is a template's mistake: TypeError."""
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         tp, _ = _unwrap_optional(hints[f.name])
@@ -436,8 +420,7 @@ def _as_list(value: Any) -> list:
 
 def _scalar(tp: type, value: Any, where: str) -> Any:
     if value is not None and not isinstance(value, (list, tuple, dict)):
-        # Non-strings come from YAML or literal_eval; treat them as their text so every
-        # source follows the same rules (and PyYAML's string "1e-4" still becomes a float).
+        # Non-strings (YAML, literal_eval) as their text: every source follows the same rules (PyYAML's "1e-4" too)
         text = value if isinstance(value, str) else str(value)
         if tp is str:
             return text
