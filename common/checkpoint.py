@@ -7,19 +7,12 @@ Layout of `<output_dir>`:
     checkpoints/.tmp-*            a save in progress, or one a crash interrupted (never resumed from)
     model.safetensors             the final export (`common.export`): plain weights, loadable without accelerate
 
-A checkpoint folder is written under a `.tmp-` name by all ranks and renamed to its final name by
-the main process only after every rank finished and `progress.json` was written and synced, so a
-folder with a final name is always complete. A save that fails on any rank (a full disk) fails on
-every rank with a SaveError and publishes nothing; old checkpoints lose `progress.json` first when
-they are deleted, so a deletion cut short never leaves a folder that looks complete.
-
-In the background (the templates' default) a save copies the state to host memory at the step, the part
-that must happen there, and a thread writes, syncs and publishes it while training goes on
-(`common.background_save`); the next save waits for it, `wait()` too (before the export and a preemption
-exit), and a write that failed on any rank ends the run at the next step on every rank (agreed in
-`PreemptionWatcher.check_step(grad_norm, ckpt)`'s exchange).
-
-Before a checkpoint loads, `common.pickle_allowlist.check_pickles` refuses it if a pickle in it could run code.
+A folder with a final name is always complete: written under `.tmp-` by all ranks, renamed by the main process
+once every rank finished and `progress.json` is synced. A save that fails on any rank fails on every rank
+(SaveError) and publishes nothing; a deletion removes `progress.json` first. In the background (the default) the
+state is copied to host memory at the step and a thread writes and publishes it (`common.background_save`); a
+write that failed on any rank ends the run at the next step on every rank. A checkpoint whose pickles could run
+code is refused before it loads (`common.pickle_allowlist`).
 """
 
 from __future__ import annotations
@@ -63,16 +56,13 @@ class TrainingState:
     best_metric: float | None = None
     best_step: int | None = None
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
-    # The training loss of the log interval in progress (sum over its micro-batches, and their count; or of
-    # its tokens, where the loss is a token-weighted mean), so the first value logged after a resume is the one
-    # an uninterrupted run logs, whatever the intervals. `count_micro_batch` or `count_step` add detached losses on
-    # the device (a tensor): the host reads it when it logs (`take_interval_loss`) or saves.
+    # The log interval in progress (loss sum and micro-batch count, or target-token count for a token-weighted
+    # loss; on the device until logged or saved), so the first loss logged after a resume is an uninterrupted run's.
     interval_loss_sum: float | torch.Tensor = 0.0
     interval_batches: int = 0
     interval_targets: float | torch.Tensor = 0.0  # target tokens (the fine-tuning template's token-weighted loss)
 
-    # The loop's bookkeeping. Exact resume depends on these lines: a resume skips `batches_in_epoch` batches of
-    # `epoch`'s shuffle, and the loss logged after it continues the interval the checkpoint held.
+    # The loop's bookkeeping, which exact resume depends on: a resume skips `batches_in_epoch` batches of `epoch`.
     def count_micro_batch(self, batches_per_epoch: int, loss: torch.Tensor | None = None) -> None:
         """One more micro-batch of `epoch` trained on; after the epoch's last, the next epoch starts at its first
         batch. `loss` (the micro-batch's mean loss) joins the log interval: detached, so no graph is kept, and
@@ -110,11 +100,8 @@ class TrainingState:
 
 
 class CheckpointManager:
-    """Saves and restores the whole training state through `accelerator.save_state/load_state`.
-
-    `save_state` covers model, optimizer, schedulers and scaler registered through `prepare`, and
-    the RNG state of every rank; `progress.json` adds step, epoch, data position and best metric.
-    """
+    """Saves and restores the whole training state: `accelerator.save_state` (what `prepare` registered, every
+    rank's RNG state) and `progress.json` (step, epoch, data position, best metric)."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, template: str, config: dict,
                  metric: str, mode: str = "max", keep_last: int = 3, every_steps: int = 0, seed: int = 0,
@@ -212,12 +199,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------- save
     def save(self, state: TrainingState, metric: float | None = None, *, wait: bool = False) -> Path:
-        """Checkpoint this step (unless it has a checkpoint) and keep only the newest `keep_last`.
-
-        At an evaluation pass its `metric`: when it is the best so far it is recorded in `state` and the
-        best checkpoint is written too (once: the periodic one at the same step shares its files). With
-        `wait` (a preemption exit) the checkpoint is on disk when this returns, also in the background mode.
-        """
+        """Checkpoint this step (unless it has one) and keep the newest `keep_last`. `metric` (at an evaluation):
+        the best so far is recorded in `state` and checkpointed too (sharing the periodic one's files). With `wait`
+        (a preemption exit) the checkpoint is on disk when this returns, also in the background mode."""
         names = []
         if metric is not None and self.is_better(metric, state):
             state.best_metric, state.best_step = float(metric), state.step
@@ -232,12 +216,9 @@ class CheckpointManager:
         return self.dir / periodic
 
     def save_if_due(self, state: TrainingState) -> Path | None:
-        """The periodic policy, called after every optimizer step: a checkpoint every `every_steps` steps
-        (0: only where the template calls `save`, at evaluations and when it stops).
-
-        A background save that failed on any rank ends the run here, at the same step on every rank
-        (they agreed on it in this step's `PreemptionWatcher.check_step`): a SaveError, as a save at the step.
-        """
+        """The periodic policy, called after every optimizer step: a checkpoint every `every_steps` steps (0: only
+        where the template calls `save`). A background save that failed on any rank raises its SaveError here, at
+        the same step on every rank (agreed in `PreemptionWatcher.check_step`)."""
         if self._pending is not None and self._pending.failed_somewhere:
             self.wait()
         return self.save(state) if self.every_steps and state.step % self.every_steps == 0 else None
@@ -304,13 +285,9 @@ class CheckpointManager:
 
     def _write(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
         """Write the state under each of `names` on every rank, then keep the newest `keep_last` periodic checkpoints
-        and the best.
-
-        Each name is written under a `.tmp-` name and published in three phases, public so that the tests and
-        tests/fault_inject.py hook them (a kill, a full disk, a slow write at each): `start_folder`, `write_state`
-        and `publish`. Each ends with every rank learning whether any rank failed (a full disk, say), so a failure
-        on one rank ends the save on all of them at once instead of at --timeout_s.
-        """
+        and the best. Each name goes through three phases (public: the tests hook them), `start_folder`,
+        `write_state` and `publish`, each ending with every rank learning whether any failed, so a failure on one
+        rank ends the save on all at once instead of at --timeout_s."""
         from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
 
         main = self.accelerator.is_main_process
@@ -387,9 +364,8 @@ class CheckpointManager:
         except (OSError, ValueError):
             raise UsageError(f"{run_file} is unreadable; this output folder holds something else") from None
         if run.get("template") != self.template:
-            raise UsageError(
-                f"{self.output_dir} holds a run of template {run.get('template')!r}; choose another --output_dir"
-            )
+            raise UsageError(f"{self.output_dir} holds a run of template {run.get('template')!r}; "
+                             "choose another --output_dir")
 
     def _write_run_file(self) -> None:
         if self.accelerator.is_main_process:
@@ -457,12 +433,9 @@ def _checkpoint_of_same_step(folder: Path, step: int, exclude: str) -> Path | No
 
 
 def checkpoint_to_resume(resume: str, folder: Path) -> Path | None:
-    """The checkpoint `--resume` names (None: start fresh), for a run whose checkpoints go to `folder`.
-
-    "auto" continues from the newest complete checkpoint in `folder`, or starts fresh when there is none.
-    "none" starts fresh and refuses a folder that already holds checkpoints, so an earlier run is never
-    overwritten by accident. A run folder (or its `checkpoints/`) stands for its newest complete checkpoint,
-    as "auto" picks it there.
+    """The checkpoint `--resume` names (None: start fresh), for a run whose checkpoints go to `folder`: "auto" the
+    newest complete one in `folder` (or none); "none" starts fresh and refuses a folder that holds checkpoints, so
+    an earlier run is never overwritten by accident; a run folder (or its `checkpoints/`) its newest complete one.
     """
     existing = complete_checkpoints(folder)
     if resume == "none" and existing:
