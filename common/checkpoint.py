@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from safetensors import SafetensorError
 
 from common.config import RunOptions, config_to_dict, may_change_on_resume
@@ -146,11 +146,9 @@ class CheckpointManager:
         set_seed(self.seed, device_specific=True)
         for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
             self.accelerator.print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
-        path = checkpoint_to_resume(resume, self.dir)
-        # Every rank must load the same checkpoint, whatever its view of the folder.
-        chosen = [str(path) if path is not None else None]
-        broadcast_object_list(chosen)
-        state = TrainingState() if chosen[0] is None else self.load(Path(chosen[0]))
+        # Every rank loads the main process's choice, whatever its own view of the folder.
+        chosen = from_main_process(checkpoint_to_resume(resume, self.dir))
+        state = TrainingState() if chosen is None else self.load(chosen)
         self._write_run_file()  # only now: a refused checkpoint leaves the folder as it was
         return state
 
