@@ -44,11 +44,10 @@ def ignore_stop_signals_from_others() -> None:
     """In a loader worker: ignore SIGTERM and SIGUSR1 unless the training process sends SIGTERM; end with it.
 
     Launchers and Slurm signal every process of a job; a worker killed by one would fail the training process
-    ("DataLoader worker is killed by signal") before it can checkpoint (common.accelerator.PreemptionWatcher). A thread
-    waits for them (the sender's pid is known there), exits for the parent's SIGTERM as torch's worker handler does,
-    and exits within a second once the training process is gone, whatever came (torch's watchdog reads the parent as
-    its loop starts: one gone by then leaves it watching pid 1 for good). Linux only. A worker forked through
-    `worker_context()` has these signals blocked from its first instant, so one sent before this runs waits here.
+    before it can checkpoint. A thread waits for them (there the sender's pid is known), exits for the parent's
+    SIGTERM as torch's worker handler does, and within a second once the parent is gone (torch's watchdog, reading
+    the parent as its loop starts, may watch pid 1 for good). Linux only. `worker_context()` forks workers with
+    these signals blocked, so one sent before this runs waits here.
     """
     if not hasattr(signal, "sigtimedwait"):
         return
@@ -65,10 +64,8 @@ def ignore_stop_signals_from_others() -> None:
 
 
 def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
-    """In a process just forked by `parent`: have it die with `parent`, also if `parent` died already.
-
-    Linux's PR_SET_PDEATHSIG sends the signal when the thread that forked ends, so it is set only for a fork from the
-    main thread (whose end is the process's); the pid read before the fork catches a parent gone before this line."""
+    """In a process just forked by `parent`: die with `parent`, also if it died already. PR_SET_PDEATHSIG fires when
+    the forking thread ends, so it is set only for a fork from the main thread."""
     if forked_on_main_thread and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:
@@ -76,8 +73,8 @@ def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
 
 
 class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
-    """A loader worker forked with the stop signals blocked (the child keeps the mask of the thread that forks it),
-    which ends with its training process: see `end_with_parent` and `ignore_stop_signals_from_others`."""
+    """A loader worker forked with the stop signals blocked (it keeps the forking thread's mask), ending with its
+    training process."""
 
     def start(self) -> None:
         self._forked_by = os.getpid()
@@ -100,9 +97,8 @@ class _ShieldedForkContext(multiprocessing.context.ForkContext):
 
 
 def worker_context() -> multiprocessing.context.BaseContext | None:
-    """The loaders' multiprocessing context: the default one, except that where it forks (Linux before Python 3.14) a
-    worker starts with SIGTERM and SIGUSR1 blocked, until `ignore_stop_signals_from_others` waits for them. None (the
-    default as it is) for spawn and forkserver, where a signal in a worker's first moments can still end it."""
+    """The loaders' multiprocessing context: where the default forks (Linux before Python 3.14), one that starts
+    workers shielded from stop signals; else None (the default as it is)."""
     method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     return _ShieldedForkContext() if method == "fork" and hasattr(signal, "sigtimedwait") else None
 
@@ -158,12 +154,8 @@ def build_loaders(accelerator, train_set: Dataset, val_set: Dataset, *, batch_si
 
 
 def check_full_batches(batches: int, samples: int, batch_size: int, processes: int, what: str) -> str | None:
-    """Refuse a training set that fills no batch on each process; warn when whole batches leave out much of it.
-
-    `batches` is the length of the prepared training loader: full batches per process and epoch
-    (training drops the last partial batch). Returns a warning when they leave out 10% or more of
-    the `samples` each epoch (a different part each time, as the order is reshuffled), else None.
-    """
+    """Refuse a training set that fills no batch on each process; a warning (else None) when the `batches` of the
+    prepared training loader (full ones per process and epoch) leave out 10% or more of the `samples`."""
     procs = f"{processes} process{'es' if processes > 1 else ''}"
     if batches == 0:
         if samples < processes:
@@ -378,16 +370,12 @@ def is_plain_text(path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- padded or packed batches
-# Packing for the fine-tuning template: whole examples concatenated into rows of up to `max_length` tokens, so no
-# compute goes to padding, and no example attends to another. transformers builds a block-diagonal causal mask from
-# position ids that restart at each example, when the forward gets no attention mask and builds no cache
-# (`masking_utils.find_packed_sequence_indices`, used by the SDPA, eager and flex masks; flash attention reads the
-# position ids itself). So a packed batch is input ids, position ids and labels only, and the forward is called with
-# `use_cache=False`. Each example's first label is IGNORE, so the last token of one example never learns to predict
-# the first of the next; a row shorter than the batch's longest is padded with one more segment of its own (positions
-# from 0, labels IGNORE), which the real tokens never see.
+# Packing (the fine-tuning template): whole examples in rows of up to `max_length` tokens, no compute on padding,
+# and no example attending to another: transformers builds a block-diagonal causal mask from position ids that
+# restart at each example when the forward gets no attention mask and builds no cache (the SDPA, eager and flex
+# masks; flash attention reads the ids itself). So a packed batch is input ids, position ids and labels only,
+# and the forward is called with `use_cache=False`.
 IGNORE = -100  # label of a token that is not learned (torch's cross-entropy ignore_index)
-# Attention whose mask transformers builds from restarting position ids (flash attention: from the ids directly)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 PACKABLE_LAYERS = ("full_attention", "sliding_attention")
 
@@ -421,8 +409,7 @@ class PackedExamples(Dataset):
 
     def __init__(self, examples: list[tuple[list[int], list[int]]], capacity: int | None = None):
         self.examples = examples
-        groups = pack([len(ids) for ids, _ in examples], capacity) if capacity else [[i] for i in range(len(examples))]
-        self.rows = groups
+        self.rows = pack([len(x) for x, _ in examples], capacity) if capacity else [[i] for i in range(len(examples))]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -436,9 +423,9 @@ class PackedExamples(Dataset):
 
 
 class PackedCollate:
-    """Collate rows of examples: input ids, position ids restarting at each example, labels with IGNORE at each
-    example's first token, rows padded to the longest by a segment of their own; no attention mask. `tokens`
-    counts the examples' tokens (padding excluded), for the throughput."""
+    """Collate rows of examples: input ids, position ids restarting at each example, labels IGNORE at each example's
+    first token (none learns from the one before), rows padded to the longest by a segment of their own; no
+    attention mask. `tokens`: the examples' tokens (padding excluded), for the throughput."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
