@@ -1,7 +1,5 @@
 """Metrics go to `<output_dir>/metrics.jsonl` and to the trackers --tracker names (main process only); progress
-to tqdm; at the end of a run, `<output_dir>/curves.png` (common/curves.py) drawn from metrics.jsonl (where
-matplotlib is installed).
-"""
+to tqdm; at the end of a run, `<output_dir>/curves.png` (common/curves.py, where matplotlib is installed)."""
 
 from __future__ import annotations
 
@@ -55,13 +53,9 @@ def wandb_has_credentials() -> bool:
 
 
 def sweep_run_dir(output_dir: str) -> str:
-    """`<output_dir>/<sweep id>/<run id>` in a run that `wandb agent` started, else `output_dir` itself.
-
-    The agent starts every run of a sweep with the same command, so without this all of them would
-    share one folder and each would resume the one before. It sets WANDB_SWEEP_ID and WANDB_RUN_ID
-    for the command (every rank inherits them), and a run it requeues after a preemption keeps its
-    id: it finds its own folder and resumes there.
-    """
+    """`<output_dir>/<sweep id>/<run id>` in a run that `wandb agent` started (it sets both ids; every rank inherits
+    them), else `output_dir`: the agent starts every run with the same command, and each would resume the one
+    before; a run requeued after a preemption keeps its id, and resumes in its own folder."""
     sweep, run = os.environ.get("WANDB_SWEEP_ID"), os.environ.get("WANDB_RUN_ID")
     if not (sweep and run):
         return output_dir
@@ -72,31 +66,17 @@ def sweep_run_dir(output_dir: str) -> str:
 
 
 class Tracker:
-    """Log metrics once, from the main process, to every configured sink.
+    """Log metrics once, from the main process, to `metrics.jsonl` (always: the local search runner reads it, and it
+    needs no account; on resume, lines after the resumed step are dropped) and to the trackers `kind` names.
 
-    `metrics.jsonl` is always written: it is what the local search runner reads while a trial
-    runs, and it survives without any account. On resume, lines after the resumed step are
-    dropped so the file matches the restored state.
-
-    The trackers `kind` names (`--tracker`: wandb, tensorboard, mlflow, trackio, several comma-separated, or none)
-    are accelerate's own tracker classes (accelerate.tracking), built as `Accelerator.init_trackers` builds them,
-    with the init kwargs that keep each one's run in the output folder and resume it after a restart; they are
-    also handed to the Accelerator, so `accelerator.get_tracker(name)` finds them. They are started, logged to and
-    finished here rather than by `init_trackers` / `accelerator.log` / `end_training`: the run ids and the resumed
-    step are known only after the Accelerator is built, and W&B's end needs the run's exit code and a preemption
-    mark (`finish`), which `end_training` cannot pass.
+    Those are accelerate's tracker classes, built as `Accelerator.init_trackers` builds them (each run kept in the
+    output folder, resumed after a restart) and handed to the Accelerator (`accelerator.get_tracker(name)`), but
+    started, logged to and finished here: the run ids and resumed step are known only after the Accelerator is
+    built, and W&B's end needs the exit code and a preemption mark, which `end_training` cannot pass.
     """
 
-    def __init__(
-        self,
-        accelerator: Accelerator,
-        output_dir: str | os.PathLike,
-        *,
-        kind: str,
-        project: str,
-        config: dict,
-        resume_step: int = 0,
-    ):
+    def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, kind: str, project: str,
+                 config: dict, resume_step: int = 0):
         self.enabled = accelerator.is_main_process
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / METRICS_FILE
@@ -149,10 +129,9 @@ class Tracker:
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
         self.wandb_service_pid = start_wandb_service_apart()  # None: W&B starts it, as its child
-        # quiet: no 20-line history and summary at the end (metrics.jsonl and the run page have them), and
-        # one sync hint (ours, in finish) instead of two. The run's .wandb file is flushed every second (W&B's
-        # default is 15 s), should W&B's service end before the run finishes it (where it is started by W&B itself).
-        # The configuration goes with wandb.init (accelerate's store_init_configuration would update it after).
+        # quiet: no history and summary at the end (metrics.jsonl has them), one sync hint (ours, in finish). The
+        # .wandb file is flushed every second (W&B: 15 s), should W&B's service end before the run finishes it.
+        # The configuration goes with wandb.init (store_init_configuration would update it after).
         try:
             tracker = self._on_this_process(WandBTracker(
                 project, config=config, dir=str(self.output_dir), mode=mode,
@@ -162,18 +141,16 @@ class Tracker:
             if self.wandb_service_pid:  # for this start only: a later run in this process gets a live one of its own
                 os.environ.pop("WANDB_SERVICE", None)
         self.run = tracker.run
-        # W&B's client writes to its service through asyncio, which logs every write to a service that is gone
-        # ("socket.send() raised exception."): after a Ctrl-C or SIGTERM the launcher ends the service with the run,
-        # and those lines would come, from W&B's thread, after the run's own last line. What W&B lost, finish says.
+        # asyncio logs each write to a W&B service that is gone (a launcher ends it with the run at a Ctrl-C or
+        # SIGTERM), after the run's own last line; what W&B lost, finish says.
         logging.getLogger("asyncio").addFilter(not_a_lost_service_write)
         return tracker
 
     def _start_tensorboard(self, project: str, config: dict, resume_step: int):
         from accelerate.tracking import TensorBoardTracker
 
-        # Event files in <output_dir>/tensorboard. A resumed run writes to the same folder; its first event purges
-        # every event after the resumed step (what a stopped session logged past its last checkpoint), so readers
-        # (TensorBoard, its EventAccumulator) see each step once, like metrics.jsonl.
+        # Event files in <output_dir>/tensorboard; a resumed run's first event purges those after the resumed step,
+        # so readers see each step once, like metrics.jsonl.
         tracker = self._on_this_process(TensorBoardTracker("tensorboard", str(self.output_dir),
                                                            purge_step=resume_step + 1))
         tracker.start()
@@ -313,13 +290,9 @@ class Tracker:
             quiet.setLevel(level)
 
     def finish(self, requeue: bool = False, exit_code: int = 0, quiet: bool = False) -> None:
-        """Draw curves.png (main process), end each tracker's run. `requeue`: a preempted sweep run; W&B gives it to
-        an agent again, same id.
-
-        W&B requeues a run that is marked preempting and ends with a non-zero exit code; one that
-        ends with 0 is finished. The code is passed here because W&B would otherwise record 0.
-        `quiet`: the run is ending with an error line of its own: no picture, no warning if W&B's service is gone.
-        The trackers leave the Accelerator's list too: `accelerator.end_training()` would end them a second time.
+        """Draw curves.png (main process), end each tracker's run and take it off the Accelerator's list (lest
+        `end_training` end it again). `requeue`: a preempted sweep run, marked preempting, which W&B requeues (same
+        id) when `exit_code` is not 0. `quiet`: the run ends with an error line of its own: no picture, no warning.
         """
         if self.enabled and not quiet:
             self.draw_curves()
@@ -381,15 +354,12 @@ class Tracker:
 
 
 def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
-    """Start W&B's service outside this process's tree, for wandb.init to connect to (through WANDB_SERVICE).
+    """Start W&B's service outside this process's tree, for wandb.init to connect to (through WANDB_SERVICE); its
+    pid, or None where W&B's internals differ (then W&B starts it as its child).
 
-    `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every descendant of the training process at once.
-    W&B's service, started by wandb.init as a child, died then before the run could end its W&B run: the W&B run lost
-    the steps of its last second, and the run's next W&B call (at its last evaluation, say) failed it with
-    "ConnectionResetError: Connection lost". Started by a shell that exits at once, the service is no one's child
-    here, in a session of its own (no signal to the run's process group reaches it either); it still ends with this
-    process: 5 s after its last client (this process) is gone. Where W&B's internals differ, W&B starts it as before.
-    Its pid when it did (WANDB_SERVICE then names it), else None."""
+    `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every descendant of the training process at
+    once: a child service would die before the run ends its W&B run. Started by a shell that exits at once, in a
+    session of its own, the service still ends 5 s after its last client (this process) is gone."""
     if os.environ.get("WANDB_SERVICE") or not hasattr(os, "fork"):
         return None  # a service of the parent's (`wandb agent`'s); or Windows, where no tree is terminated
     try:
@@ -419,12 +389,10 @@ def not_a_lost_service_write(record: logging.LogRecord) -> bool:
 
 
 def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:
-    """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step` (what a session
-    logged past the checkpoint the run resumes from), as metrics.jsonl and TensorBoard's purge do: the resumed
-    session logs those steps again, and the tracker's reader would show each of them twice. Neither has a call
-    that removes logged values, so this edits their tables (MLflow's `metrics` and `latest_metrics`, keyed by
-    `run_uuid`, since MLflow 1.x; trackio's `metrics`, by `run_name`). A store without that table or column is
-    left as it is."""
+    """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step`, as metrics.jsonl
+    and TensorBoard's purge do: the resumed session logs them again. Neither has a call for it, so this edits their
+    tables (MLflow's `metrics` and `latest_metrics` by `run_uuid`, trackio's `metrics` by `run_name`); a store
+    without that table or column is left as it is."""
     import sqlite3
 
     if not database.is_file():
