@@ -1,12 +1,7 @@
-"""The final export: plain weights in one safetensors file that describes its model, published atomically.
-
-Loading an export (`export_info`, `load_exported`) needs torch and safetensors only, not accelerate: this module
-imports nothing else at import, so it can be copied into an inference service beside the model's class. Writing
-one takes the run's Accelerator as an argument (`export_weights`, `publish_export`) and uses it by its methods.
-A Hugging Face model's export is a folder (`export_pretrained`: `save_pretrained` and its tokenizer, loaded with
-transformers or peft); it is published with `publish_export` too: written under a `.tmp-` name, synced, renamed over
-the previous one by the main process, and every rank learns whether it worked. The checkpoints are published with
-the same durability helpers (below: `fsync_tree`, `write_json`, `any_failure`).
+"""The final export: plain weights in one safetensors file that describes its model, or a Hugging Face model's
+`save_pretrained` folder (`export_pretrained`), published atomically (`publish_export`); and the durability helpers
+the checkpoints use too. Loading an export needs torch and safetensors only: this module imports nothing else at
+import (writing one takes the run's Accelerator as an argument), so it can be copied into an inference service.
 """
 
 from __future__ import annotations
