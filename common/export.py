@@ -55,7 +55,7 @@ def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Cal
 
     The main process runs `write(tmp)`, which creates `tmp` (`.tmp-<name>` beside `path`), syncs it and renames it
     over the previous export, so `path` is always a whole export, the old one or the new one. A write that fails
-    (a full disk) leaves no `.tmp-` behind and ends the run on every rank with a SaveError (`check_export`).
+    (a full disk) leaves no `.tmp-` behind and ends the run on every rank with a SaveError.
     """
     path = Path(path)
     failure = None
@@ -74,7 +74,9 @@ def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Cal
             failure = one_line(error)
             with contextlib.suppress(OSError):
                 _remove(tmp)  # free its space: nothing refers to it
-    check_export(accelerator, path, failure)
+    if (failure := from_main_process(failure)) is not None:  # every rank learns whether it worked
+        raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
+                        "so --resume auto writes it again")
     return path
 
 
@@ -171,20 +173,6 @@ def _generation_config(name: str, model: torch.nn.Module):
         return GenerationConfig.from_pretrained(name)
     except OSError:
         return None
-
-
-def check_export(accelerator: Accelerator, path: str | os.PathLike, failure: str | None) -> None:
-    """After the main process wrote an export (`failure`: what went wrong there, or None), every rank
-    learns whether it worked; a failure ends the run on all of them with a SaveError."""
-    if accelerator.num_processes > 1 and dist.is_initialized():
-        from accelerate.utils import broadcast_object_list  # only where a run (with accelerate) exports
-
-        holder = [failure]
-        broadcast_object_list(holder)
-        failure = holder[0]
-    if failure is not None:
-        raise SaveError(f"writing the export {path} failed: {failure}; the checkpoints are intact, "
-                        "so --resume auto writes it again")
 
 
 def export_info(path: str | os.PathLike) -> dict:
