@@ -82,15 +82,11 @@ def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Cal
 
 def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenizer, folder: str | os.PathLike,
                       base_model: str, merge_adapter: bool = False, weights: Path | None = None) -> Path:
-    """A transformers model (or a peft one) as `save_pretrained` writes it (safetensors) with its tokenizer, loadable
-    without accelerate; call on every rank: under FSDP the full state dict is gathered on the main process.
-
-    A LoRA model exports its adapter (`PeftModel.from_pretrained` on `base_model`, a local base, folder or .gguf
-    file, by its absolute path), or with `merge_adapter` the model with the adapter merged in. The base's generation
-    config comes along. `weights`: a file that may hold these very weights (the model.safetensors of the checkpoint
-    of the exported step): where it holds exactly the tensors save_pretrained would write (names, dtypes, shapes) it
-    is hard-linked into the export instead of written again (a full model written once, not twice). Published
-    atomically (`publish_export`)."""
+    """A transformers model (or a peft one) as `save_pretrained` writes it, with its tokenizer and the base's
+    generation config, published atomically; call on every rank (FSDP gathers the full state dict). A LoRA model
+    exports its adapter (on `base_model`, a local one by its absolute path), or with `merge_adapter` the merged
+    model. `weights`: a file (the exported step's checkpoint's model.safetensors) hard-linked into the export where
+    it holds exactly the tensors save_pretrained would write, instead of writing them again."""
     state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
 
     def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
@@ -214,11 +210,9 @@ def load_exported(model: torch.nn.Module, path: str | os.PathLike) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [k for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
-        detail = (
-            f"shape of {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model has {tuple(expected[wrong[0]].shape)}"
-            if wrong
-            else f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
+        detail = (f"shape of {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model has "
+                  f"{tuple(expected[wrong[0]].shape)}" if wrong
+                  else f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         raise UsageError(f"{path} does not fit this model: {detail}")
     model.load_state_dict(tensors)
 
