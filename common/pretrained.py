@@ -1,11 +1,7 @@
-"""Training a big pretrained model: its tokenizer and config checked before anything is written, loaded under FSDP2
-with one full copy per machine, checkpoints of only the parameters that train (a LoRA adapter), not the frozen rest,
-and greedy answers to a few prompts while it trains.
-
-Mechanism the fine-tuning template uses and a user does not edit: which model, its dtype and the LoRA config stay in
-the template. The loading and the checkpoints follow accelerate's FSDP2 plugin and its save/load-state hooks
-(accelerate 1.16).
-"""
+"""Training a big pretrained model (the fine-tuning template's mechanism; which model, its dtype and the LoRA config
+stay in the template): its tokenizer and config checked before anything is written, loaded under FSDP2 with one full
+copy per machine, checkpoints of only the parameters that train (a LoRA adapter), and greedy answers to a few
+prompts while it trains."""
 
 from __future__ import annotations
 
@@ -69,7 +65,7 @@ def load_pretrained(name: str, config, dtype: torch.dtype) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained(name)` in `dtype`. A .gguf file's weights are dequantized into a plain
     model that trains and that `save_pretrained` writes: transformers flags a GGUF-loaded model as quantized and
     refuses to save it, and with the `kernels` package it would keep the weights packed (not trainable). `config`
-    (from `load_tokenizer_and_config`) spares it parsing the file's metadata again (~5 of its ~20 s of CPU time)."""
+    (from `load_tokenizer_and_config`) spares it parsing the file's metadata again."""
     from transformers import AutoModelForCausalLM
 
     where, gguf = gguf_source(name)
@@ -139,15 +135,10 @@ def load_once_per_machine(accelerator: Accelerator, pretrained: Callable[[], tor
 
 
 def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: Accelerator) -> None:
-    """FSDP2 on a meta model: one unit per layer class of the launch config (fsdp_transformer_layer_cls_to_wrap)
-    plus the root, local shards allocated, then filled from rank 0's full state dict by broadcast.
-
-    Every rank builds `model` on the meta device (buffers real); rank 0 alone holds `full_state` (the others pass
-    {}), so a machine holds one full copy while loading instead of one per rank. accelerate's own
-    cpu_ram_efficient_loading keeps each received full tensor alive behind its shard (a view): measured 0.83-0.90x
-    of the model per rank on 2 ranks instead of ~0.5x (bench/finetune_loading.py). `accelerator.prepare` then
-    takes the sharded model as it is.
-    """
+    """FSDP2 on a meta model (buffers real): one unit per layer class of the launch config plus the root, local
+    shards allocated, then filled by broadcast from rank 0's `full_state` (the others pass {}); `accelerator.prepare`
+    takes the sharded model as it is. Not accelerate's cpu_ram_efficient_loading, which keeps each received full
+    tensor alive behind its shard (bench/finetune_loading.py)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -184,10 +175,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 
 def keep_only_trained_in_checkpoints(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """A checkpoint holds the trained parameters (LoRA: the adapter) and their optimizer state, not the frozen rest.
-
-    Call after `accelerator.prepare`. Under FSDP accelerate writes each rank's shard of the whole model itself
-    (these hooks do not see it).
-    """
+    Call after `accelerator.prepare`. Under FSDP accelerate writes each rank's shard of the whole model itself."""
     trained = {name for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
 
     def save_hook(models, weights, output_dir):
@@ -286,11 +274,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: list[
              device) -> list[list[int]]:
     """Greedy answers to all `prompts` at once, each up to its `new_tokens` and cut before its EOS.
 
-    One batch with the KV cache: the prompts left-padded (masked, each one's positions counting from its own first
-    token, as alone), one forward over them, then one per new token over the cache. `max(new_tokens)` forwards in
-    all whatever the answers, the same number on every rank (FSDP needs all ranks in each one); only the last
-    position's logits are computed. The training template turns the cache off in the config (training takes whole
-    sequences): it is asked for here, in eval mode, where it is valid."""
+    One batch with the KV cache (asked for here: training turns it off): the prompts left-padded (masked, positions
+    counting from each one's own first token), one forward over them, then one per new token, only the last
+    position's logits computed; `max(new_tokens)` forwards whatever the answers, as many on every rank (FSDP)."""
     if not prompts or max(new_tokens, default=0) <= 0:
         return [[] for _ in prompts]
     training = model.training
