@@ -2,12 +2,9 @@
 written by a thread while training goes on.
 
 Mirrors accelerate 1.16's `Accelerator.save_state` and the RNG file of `checkpointing.save_accelerator_state`, file by
-file, so `load_state` reads either kind. Re-read it on an accelerate or torch upgrade: it uses the Accelerator's
-private attributes and private functions of both. Pinned byte for byte by tests/test_checkpoint.py's
-test_a_background_save_writes_the_files_save_state_writes (one process) and
-test_two_ranks_background_saves_write_what_save_state_writes_and_resume_exactly (DDP, FSDP2). The private
-functions are imported where used, never at import: on a release without one, `cannot_mirror` names it and the
-run saves at the step instead.
+file (pinned byte for byte by tests/test_checkpoint.py), so `load_state` reads either kind. Re-read it on an
+accelerate or torch upgrade: it uses private attributes and functions of both, imported where used, so on a release
+without one `cannot_mirror` names it and the run saves at the step instead.
 """
 
 from __future__ import annotations
@@ -21,21 +18,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, clean_state_dict_for_safetensors
-from accelerate.utils.constants import (
-    FSDP_MODEL_NAME,
-    OPTIMIZER_NAME,
-    RNG_STATE_NAME,
-    SAFE_WEIGHTS_NAME,
-    SCALER_NAME,
-    SCHEDULER_NAME,
-)
+from accelerate.utils.constants import (FSDP_MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME,
+                                        SCHEDULER_NAME)
 from safetensors.torch import save_file
 
 WRITER_THREAD = "checkpoint-writer"  # the name of the thread writing a checkpoint (common.accelerator waits for it)
@@ -117,10 +107,9 @@ def writer_group(accelerator: Accelerator, timeout_s: float):
 
 def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, copy: bool = True) -> Snapshot:
     """What accelerate's save_state would write into `folder` on this rank, copied to host memory now: the part of
-    a background save that must happen at the step. Only for a run `cannot_mirror` accepts. `copy` False (a save
-    after which nothing trains: the run's last step, a save waited for): the state dicts as they are, tensors
-    shared with the model and optimizer, and the copy `host_copy` kept from an earlier save let go (its write is
-    done: one save at a time), so host memory holds one copy of weights and optimizer state, not two."""
+    a background save that must happen at the step. Only for a run `cannot_mirror` accepts. `copy` False (nothing
+    trains after this save): the state dicts as they are, and `host_copy`'s buffers let go, so host memory holds
+    one copy of weights and optimizer state, not two."""
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -239,11 +228,8 @@ class HostCopy:
     def _copy(self, name: str, state_dict: dict) -> dict:
         # torch's own staging for torch.distributed.checkpoint's async_save: tensors and DTensor shards into
         # host buffers of the same structure; other values (numbers, lists) are taken as they are now.
-        from torch.distributed._state_dict_utils import (
-            _check_state_dict_similarity,
-            _copy_state_dict,
-            _create_cpu_state_dict,
-        )
+        from torch.distributed._state_dict_utils import (_check_state_dict_similarity, _copy_state_dict,
+                                                         _create_cpu_state_dict)
 
         buffer = self.buffers.get(name)
         if buffer is None or not _check_state_dict_similarity(state_dict, buffer):  # first save, or a new shape
