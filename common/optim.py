@@ -27,11 +27,8 @@ class OptimOptions:
 
 
 def scale_learning_rate(base_lr: float, world_size: int, rule: str) -> float:
-    """The learning rate for `world_size` ranks, given one tuned for a single rank.
-
-    The global batch grows with the number of ranks; "linear" (Goyal et al. 2017) suits SGD,
-    "sqrt" is the usual choice for Adam-type optimizers, "none" keeps the LR as given.
-    """
+    """The learning rate for `world_size` ranks, given one tuned for a single rank (the global batch grows with
+    them): "linear" (Goyal et al. 2017) suits SGD, "sqrt" Adam-type optimizers, "none" keeps it as given."""
     if rule == "linear":
         return base_lr * world_size
     if rule == "sqrt":
@@ -40,11 +37,9 @@ def scale_learning_rate(base_lr: float, world_size: int, rule: str) -> float:
 
 
 def fused_adamw_on(accelerator) -> bool:
-    """Whether to build AdamW fused (one kernel for the whole update instead of a loop of elementwise ops:
-    ~7% of a small model's CPU step): wherever torch has the kernel, the CPU included, but not with an fp16
-    loss scaler. A fused optimizer skips an overflowing step inside its kernel, while accelerate learns that a
-    step was skipped from the optimizer's step not being called: the skip would go uncounted and the learning
-    rate schedule would move on."""
+    """Whether to build AdamW fused (one kernel for the whole update): wherever torch has the kernel, the CPU
+    included, but not with an fp16 loss scaler: a fused optimizer skips an overflowing step inside its kernel,
+    where accelerate, which counts a skip by `optimizer.step` not being called, would miss it."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     except ImportError:  # a torch that moved it: the default (foreach) implementation, same results up to rounding
@@ -58,10 +53,9 @@ def average_over_targets(parameters: list[torch.nn.Parameter], step_sums: torch.
     `step_sums` is this rank's [loss sum, target count] over the micro-batches of the step, each of which went
     through `accelerator.backward(loss sum)`. accelerate divided each by the accumulation steps and DDP / FSDP
     averaged over the ranks; multiplying back and dividing by all ranks' target count (one all-reduce, no host
-    sync) weighs every target token once, on whichever micro-batch and rank it is: accumulation 4 x batch 2,
-    batch 8, and 2 ranks x batch 4 take the same step on the same examples (a mean per micro-batch would not:
-    transformers' PR 34191). Call it once the step's last backward is done, before clipping. Returns the sums
-    of every rank (the same on all), for the logged loss.
+    sync) weighs every target token once, whatever micro-batch and rank it is on (a mean per micro-batch would
+    not). Call it once the step's last backward is done, before clipping. Returns every rank's sums (the same on
+    all), for the logged loss.
     """
     step_sums = accelerator.reduce(step_sums, reduction="sum")
     scale = (accelerator.gradient_accumulation_steps * accelerator.num_processes) / step_sums[1].clamp_min(1)
@@ -77,15 +71,11 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
-) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                  min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup to the peak LR, then cosine decay to `min_ratio` of it at `total_steps`."""
 
     def factor(step: int) -> float:
