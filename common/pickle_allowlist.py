@@ -1,11 +1,7 @@
-"""Refuse a checkpoint whose pickles hold anything but plain data, before anything unpickles them.
-
-The pickles: `optimizer.bin`, `scheduler.bin`, `scaler.pt` and `random_states_<rank>.pkl` (and, under
-FSDP, the `.metadata` of each sharded folder plus the non-tensor entries of its `.distcp` files)
-are pickles, as accelerate and torch.distributed.checkpoint write them. Before anything loads a
-checkpoint, `check_pickles` opens each of them with torch's weights-only unpickler (the `.metadata`
-with an allowlist of torch's checkpoint classes) and refuses the checkpoint if one holds anything
-else, so a downloaded checkpoint cannot run code. The weights themselves are safetensors.
+"""Refuse a checkpoint whose pickles hold anything but plain data, before anything unpickles them, so a downloaded
+checkpoint cannot run code. accelerate and torch.distributed.checkpoint pickle `optimizer.bin`, `scheduler.bin`,
+`scaler.pt`, `random_states_<rank>.pkl` and, under FSDP, each sharded folder's `.metadata` and the non-tensor
+entries of its `.distcp` files; the weights themselves are safetensors.
 """
 
 from __future__ import annotations
@@ -42,13 +38,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def check_pickles(path: Path) -> None:
-    """Refuse a checkpoint folder if one of its pickles holds anything but plain data (tensors, numbers, RNG states).
-
-    Every `.bin/.pkl/.pt` file is opened with torch's weights-only unpickler (plus the numpy types
-    accelerate allows for RNG states), memory-mapped so large optimizer states are not read twice;
-    FSDP's sharded folders get their `.metadata` checked against an allowlist and their non-tensor
-    entries weights-only. Nothing here runs code from the files.
-    """
+    """Refuse a checkpoint folder if one of its pickles holds anything but plain data (tensors, numbers, RNG states):
+    each is opened with torch's weights-only unpickler (plus the numpy types accelerate allows for RNG states),
+    memory-mapped; a sharded folder's `.metadata` with an allowlist of torch's checkpoint classes."""
     from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
     for file in sorted(path.iterdir()):
