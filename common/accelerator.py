@@ -64,14 +64,10 @@ def resolve_mixed_precision(requested: str, has_cuda: bool, has_bf16: bool) -> s
 
 def build_accelerator(*, seed: int, mixed_precision: str = "auto", gradient_accumulation_steps: int = 1,
                       timeout_s: float = 600.0, force_cpu: bool = False) -> Accelerator:
-    """Create the Accelerator from the `accelerate launch` config plus the template's settings.
-
-    - CPU ranks: without `cpu=True` two CPU processes launched by a MULTI_GPU config would never
-      join a process group and would silently each train alone; with it they form one gloo job.
-    - FSDP on CPU: accelerate turns FSDP on for GPUs only; where the launch config asks for it, the state is
-      switched to FSDP2 here (for debugging and CI), which `fully_shard` supports on gloo.
-    - `timeout_s` bounds every collective, so a dead rank ends the job instead of hanging it.
-    """
+    """Create the Accelerator from the `accelerate launch` config plus the template's settings. CPU ranks get
+    `cpu=True` (without it, processes launched by a MULTI_GPU config would each train alone) and, where the launch
+    config asks for FSDP, FSDP2 on gloo (accelerate turns FSDP on for GPUs only). `timeout_s` bounds every
+    collective, so a dead rank ends the job instead of hanging it."""
     use_cpu = force_cpu or not torch.cuda.is_available()
     has_bf16 = (not use_cpu) and torch.cuda.is_bf16_supported()
     precision = resolve_mixed_precision(mixed_precision, has_cuda=not use_cpu, has_bf16=has_bf16)
