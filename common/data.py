@@ -114,15 +114,11 @@ def default_num_workers(local_processes: int | None = None) -> int:
 
 def build_loader(dataset: Dataset, *, batch_size: int, train: bool, seed: int, device: torch.device, rank: int = 0,
                  num_workers: int = 0, prefetch_factor: int = 2, collate_fn=None) -> DataLoader:
-    """A DataLoader by the template rules; pass it to `accelerator.prepare`.
-
-    - Only training data is shuffled, and only training drops the last incomplete batch.
-    - The shuffle order comes from the sampler's own generator (accelerate reseeds it with
-      seed + epoch), so every rank sees the same permutation and takes its own shard.
-    - Worker seeds come from a separate generator seeded per rank, so ranks and workers draw
-      different random numbers, reproducibly, and creating an iterator never consumes the
-      global torch RNG (which would shift dropout masks after a resume).
-    - Pinned memory only helps host-to-GPU copies, so it is used only when `device` is a GPU.
+    """A DataLoader by the template rules; pass it to `accelerator.prepare`. Only training shuffles and drops the
+    last incomplete batch. The shuffle comes from the sampler's own generator (accelerate reseeds it with seed +
+    epoch): the same permutation on every rank, each taking its shard. Worker seeds come from a generator seeded per
+    rank: ranks and workers draw different numbers, reproducibly, and an iterator never consumes the global torch
+    RNG (which would shift dropout masks after a resume). Memory is pinned only for a GPU `device`.
     """
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1, got {batch_size}")
