@@ -27,12 +27,9 @@ if TYPE_CHECKING:  # for the type hints only: loading an export needs no acceler
 
 def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str | os.PathLike,
                    info: dict | None = None) -> Path:
-    """Save the trained weights as one safetensors file that loads into the plain model.
-
-    Call on every rank: under FSDP the full state dict is gathered from the shards. Tied tensors
-    (an embedding shared with the output layer) are stored once and named in the metadata, and so is
-    `info` (JSON): what rebuilding and using the model needs, read back with `export_info`.
-    """
+    """Save the trained weights as one safetensors file that loads into the plain model; call on every rank (FSDP
+    gathers the shards). Tied tensors are stored once and named in the metadata, and so is `info` (JSON): what
+    rebuilding and using the model needs, read back with `export_info`."""
     state_dict = accelerator.get_state_dict(model)
 
     def write(tmp: Path) -> None:
@@ -51,12 +48,9 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, path: str |
 
 
 def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Write an export (a file or a folder) at `path` atomically; call on every rank.
-
-    The main process runs `write(tmp)`, which creates `tmp` (`.tmp-<name>` beside `path`), syncs it and renames it
-    over the previous export, so `path` is always a whole export, the old one or the new one. A write that fails
-    (a full disk) leaves no `.tmp-` behind and ends the run on every rank with a SaveError.
-    """
+    """Write an export (a file or a folder) at `path` atomically; call on every rank. The main process runs
+    `write(tmp)` (`tmp`: `.tmp-<name>` beside `path`), syncs `tmp` and renames it over the previous export, so `path`
+    is always a whole export. A write that fails leaves no `.tmp-` behind and raises SaveError on every rank."""
     path = Path(path)
     failure = None
     if accelerator.is_main_process:
