@@ -206,12 +206,11 @@ def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_ind
     """The cross-entropy of each target token (position t predicts labels[:, t + 1] where that is not ignore_index),
     in fp32, without the [batch, seq, vocab] logits: summed (a scalar), or per token with the batch row of each.
 
-    The model runs its own forward (DDP's hooks, FSDP2's unsharding, autocast, LoRA all as usual) with its output
-    layer fed zero positions; the hidden states it was given are kept, and the output layer is applied to the target
-    positions only, `chunk` at a time, each chunk's logits upcast to fp32 and dropped after its loss (with gradients:
-    recomputed in backward, torch.utils.checkpoint, except the last chunk's). At the first batch the output layer
-    gets the last position, and a model that returns other logits than it made (a soft cap, a scale) gets the whole
-    logits from then on.
+    The model runs its own forward (DDP, FSDP2, autocast, LoRA as usual) with its output layer fed zero positions
+    (the last one at the first batch, to check the logits); the output layer is then applied to the hidden states of
+    the target positions only, `chunk` at a time, each chunk's fp32 logits dropped after its loss (recomputed in
+    backward, except the last chunk's). A model that returns other logits than its output layer made (a soft cap)
+    gets the whole logits from then on.
     """
     targets = labels[:, 1:]
     rows, positions = (targets != ignore_index).nonzero(as_tuple=True)
