@@ -102,8 +102,7 @@ class Tracker:
 
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg, resume_step: int = 0) -> Tracker:
-        """The tracker a template's options ask for: their output_dir, tracker and wandb_project (the project of every
-        tracker); all of them as the run's configuration."""
+        """The tracker a template's options ask for (output_dir, tracker, wandb_project); all as its configuration."""
         return cls(accelerator, cfg.output_dir, kind=cfg.tracker, project=cfg.wandb_project,
                    config=dataclasses.asdict(cfg), resume_step=resume_step)
 
@@ -204,8 +203,7 @@ class Tracker:
 
     def _finish_at_exit(self) -> None:
         """A run that ended in an error or Ctrl-C: end the trackers' runs as failed with the run's exit code
-        (status.json has it), quietly, so that the run's own `error:` line stays the last one on stderr (W&B's exit
-        hook would add a traceback if its service is gone)."""
+        (status.json has it), quietly, so the run's own `error:` line stays the last one on stderr."""
         if self.trackers:
             status = read_status(self.output_dir) or {}
             # and the rest of what asyncio may log about W&B's service on the way out (tasks it had pending)
@@ -265,13 +263,11 @@ class Tracker:
             self.run.summary.update(values)
 
     def draw_curves(self) -> None:
-        """`curves.png` from the whole metrics.jsonl (every session of the run): without matplotlib one line says
-        how to get it; a failure to draw is one warning, never the run's failure. CURVES_PNG=0 in the environment
-        skips it (drawing takes about half a second: a sweep of many short trials, the test suite)."""
+        """`curves.png` from the whole metrics.jsonl: without matplotlib one line says how to get it; a failure to
+        draw is one warning, never the run's failure. CURVES_PNG=0 skips it (many short trials, the test suite)."""
         if os.environ.get("CURVES_PNG") == "0":
             return
-        # matplotlib's first import on a machine builds its font cache and says so on stderr (and that it made a
-        # temporary cache folder, where HOME is not writable): not news about the run, which ends with its own lines.
+        # matplotlib's first import on a machine says on stderr that it builds its font cache: not news about the run
         quiet = logging.getLogger("matplotlib")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
@@ -313,8 +309,7 @@ class Tracker:
                 elif tracker.name == "trackio":
                     import trackio
 
-                    # also forgets the current run, which trackio's exit hook would finish again, with a second
-                    # "Run finished" line after the run's own last line
+                    # also forgets the current run, which trackio's exit hook would finish again, after the last line
                     said = io.StringIO()
                     with contextlib.redirect_stdout(said):
                         trackio.finish()
@@ -412,9 +407,8 @@ def scalar_config(config: dict) -> dict:
 
 
 def say(accelerator: Accelerator, text: str) -> None:
-    """Print on the main process through tqdm, so a live progress bar is redrawn below the line, not glued to it.
-    Where the bar reaches the terminal through accelerate's pipe, the line takes the same way: straight to stdout it
-    would overtake the bar's clearing, still in the pipe, and be drawn after the bar on its line."""
+    """Print on the main process through tqdm, so a live progress bar is redrawn below the line, not glued to it;
+    through accelerate's pipe where the bar goes that way (straight to stdout it would overtake the bar's clearing)."""
     if accelerator.is_main_process:
         tqdm.write(text, file=sys.stderr if terminal_behind_a_pipe() else None)
 
@@ -441,10 +435,9 @@ class LinesOnly:
 
 
 def progress_bar(accelerator: Accelerator, total: int, initial: int = 0, desc: str = "train") -> tqdm:
-    """A tqdm bar on the main process only; the other ranks get a disabled one with the same API. Where stderr is
-    not a terminal, it writes a line where it would redraw itself: at each logged loss, and every 30 to 60 s between
-    (`LinesOnly`); where stdout is not one, its lines are written as they end, so that they land in a log file in
-    order among the bar's (Python writes a file's stdout in blocks)."""
+    """A tqdm bar on the main process only (a disabled one elsewhere). Where stderr is not a terminal it writes a
+    line where it would redraw itself (each logged loss, every 30-60 s: `LinesOnly`); where stdout is not one, it
+    is line-buffered, so its lines land in a log file in order among the bar's."""
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # (a notebook's stream has none)
         sys.stdout.reconfigure(line_buffering=True)
     terminal = sys.stderr.isatty() or terminal_behind_a_pipe()
