@@ -193,11 +193,9 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 
 # ------------------------------------------------------------------------------- token streams
 class TokenWindows(Dataset):
-    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T. Windows are
-    fixed (stride T) and each epoch visits them in a new order (the sampler's seed + epoch). An item is a pure
-    function of its index, which is what makes the data position saved in a checkpoint enough for an exact resume;
-    a per-epoch random offset would need the epoch inside the loader workers, and persistent workers never see it.
-    Token files are memory-mapped, once per process."""
+    """Window i of a token stream: inputs tokens[s:s+T], targets tokens[s+1:s+T+1], s = start + i*T, visited in a
+    new order each epoch. An item is a pure function of its index, so the data position a checkpoint saves is enough
+    for an exact resume (persistent workers would never see a per-epoch offset). Token files are memory-mapped."""
 
     def __init__(self, tokens: np.ndarray | Path, block_size: int, start: int = 0, stop: int | None = None):
         self.tokens, self.block_size, self.start = tokens, block_size, start
@@ -295,8 +293,7 @@ class DataSource:
 
     def splits(self, split: str, val_split: str) -> tuple[tuple[str, Rows], tuple[str, Rows] | None]:
         """The rows of the training split and of the validation split (--data_val_split; '': 'validation' if the
-        data has it, else None), each with the name errors give it: the path, and the split where there are several.
-        A JSONL file is read line by line without `datasets`, so its errors name the line."""
+        data has it, else None), each with the name errors give it: the path, and the split where there are several."""
         path = self.path
         found = {"train": jsonl_rows(path)} if path.suffix == ".jsonl" and path.is_file() else {  # rows from 0, as
             name: ((f"row {i}", row, record_key(row)) for i, row in enumerate(rows)) for name, rows in  # dataset[i]
@@ -377,9 +374,8 @@ PACKABLE_LAYERS = ("full_attention", "sliding_attention")
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of examples grouped into rows of at most `capacity` tokens, best fit decreasing: the longest
-    example first, each into the fullest row it fits in. Deterministic (ties by index); rows keep their
-    examples in index order. Few rows stay part-empty: on mixed lengths they fill ~95%+."""
+    """Indices of examples grouped into rows of at most `capacity` tokens, best fit decreasing (the longest first,
+    each into the fullest row it fits in). Deterministic (ties by index); rows keep their examples in index order."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, row number), sorted: the fullest row that fits is the first >=
