@@ -74,8 +74,7 @@ def build_accelerator(*, seed: int, mixed_precision: str = "auto", gradient_accu
     if use_cpu:  # accelerate reads this too: every later PartialState() agrees
         os.environ["ACCELERATE_USE_CPU"] = "true"
     accelerator = Accelerator(
-        cpu=use_cpu,
-        mixed_precision=precision,
+        cpu=use_cpu, mixed_precision=precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=gradient_accumulation_steps,
                                                                 sync_with_dataloader=True),
         # Same shuffle on every rank (each then takes its shard) and a new one each epoch from seed + epoch.
@@ -83,8 +82,7 @@ def build_accelerator(*, seed: int, mixed_precision: str = "auto", gradient_accu
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))],
         # The templates step the scheduler once per optimizer step, sized in those steps; accelerate's default
         # steps it num_processes times per call, ending warmup and decay early under DDP/FSDP.
-        step_scheduler_with_optimizer=False,
-    )
+        step_scheduler_with_optimizer=False)
     if use_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         _enable_fsdp2_on_cpu(accelerator)
     if dist.is_available() and dist.is_initialized():
@@ -262,10 +260,8 @@ def release_process_group() -> None:
     gloo's worker threads let go of a collective's tensors (which takes the GIL) a moment after the caller has the
     result, and end only when the group is freed; `destroy_process_group()` does not free it while anything refers
     to it (the model, torch's caches). A group that outlives the interpreter leaves them running into shutdown, where
-    a late let-go aborts (SIGABRT: a finished run exits -6). Freeing the group joins them first.
-
-    Call it after the training function has returned (its model holds the group too), as
-    `with_exit_codes(release=release_process_group)` does. Without a process group it does nothing.
+    a late let-go aborts (SIGABRT: a finished run exits -6). Freeing the group joins them first. Call it after the
+    training function has returned (its model holds the group too), as `with_exit_codes(release=...)` does.
     """
     finish_background_saves()  # a checkpoint still being written ends first: its thread uses a group of its own
     if not _GROUPS and not (dist.is_available() and dist.is_initialized()):
@@ -308,8 +304,7 @@ PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
     ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
     ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
     ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("V100", 125.0),
-    ("T4", 65.0), ("MI300X", 1307.0),
-)
+    ("T4", 65.0), ("MI300X", 1307.0))
 
 
 def device_peak_tflops(device: torch.device, override: float) -> float | None:
