@@ -261,8 +261,8 @@ def release_process_group() -> None:
     result, and end only when the group is freed; `destroy_process_group()` does not free it while anything refers
     to it (the model, torch's caches). A group that outlives the interpreter leaves them running into shutdown, where
     a late let-go aborts (SIGABRT: a finished run exits -6). Freeing the group joins them first. Call it after the
-    training function has returned (its model holds the group too), as `with_exit_codes(release=...)` does.
-    """
+    training function has returned (its model holds the group too), as `with_exit_codes(release=...)` does; without
+    a process group it does nothing."""
     finish_background_saves()  # a checkpoint still being written ends first: its thread uses a group of its own
     if not _GROUPS and not (dist.is_available() and dist.is_initialized()):
         return
