@@ -33,9 +33,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def metric_series(records: list[dict]) -> Series:
-    """Each numeric metric against step: the last value logged at a step wins, so a step logged again (a
-    session that ran past the checkpoint it resumed from, in a file copied before the resume truncated it)
-    appears once. Non-finite values (written as null) and text are left out."""
+    """Each numeric metric against step: the last value logged at a step wins, so a step logged again (before a
+    resume truncated the file) appears once. Non-finite values (written as null) and text are left out."""
     by_key: dict[str, dict[int, float]] = {}
     for record in records:
         for key, value in record.items():
@@ -48,8 +47,7 @@ def metric_series(records: list[dict]) -> Series:
 
 def curve_panels(runs: list[Series]) -> list[tuple[str, list[str]]]:
     """(title, metrics) per panel: the losses together, the learning rate, the throughputs together, then every
-    other validation metric that changes in some run (a constant, such as the validation set's size, tells
-    nothing; timings and counters are in metrics.jsonl, and each panel costs drawing time at every run's end)."""
+    other validation metric that changes in some run (a constant tells nothing; each panel costs drawing time)."""
     keys = sorted({key for series in runs for key in series})
     losses = sorted((k for k in keys if k == "loss" or k.endswith("/loss")),
                     key=lambda k: (not k.startswith("train"), k))  # training first
@@ -72,8 +70,7 @@ def best_checkpoint_step(output_dir: str | os.PathLike) -> int | None:
 
 def items_seen(series: Series, unit: str):
     """A function of step: the items (`unit`: images, tokens) trained on up to that step, every process's, from the
-    `<unit>_per_step` a template logs with each training loss (each value covers the steps since the one logged
-    before); None where the run logged none (an older version)."""
+    `<unit>_per_step` logged with each training loss (covering the steps since the one before); None without it."""
     if f"{unit}_per_step" not in series:
         return None
     steps, rates = series[f"{unit}_per_step"]
@@ -87,9 +84,8 @@ def items_seen(series: Series, unit: str):
 
 def curves_figure(runs: dict[str, Series], best_steps: dict[str, int | None], title: str = "", x: str = "step"):
     """A matplotlib Figure (Agg canvas, no display) with the panels of `curve_panels` against `x`: the optimizer step,
-    or the items seen (`items_seen`: "images", "tokens"), named under each panel. One line a metric, in one colour a
-    run when there are several (then line styles tell the metrics apart), each run's best checkpoint marked by a
-    dotted vertical line; each panel's legend beside it, outside the curves."""
+    or the items seen (`items_seen`: "images", "tokens"). One line a metric, one colour a run when there are several
+    (then line styles tell the metrics apart), each run's best checkpoint a dotted vertical line; legends beside."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -122,8 +118,7 @@ def curves_figure(runs: dict[str, Series], best_steps: dict[str, int | None], ti
         ax.grid(alpha=0.3)
         if any(not label.startswith("_") for label in ax.get_legend_handles_labels()[1]):
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
-    # Each legend beside its panel, as wide as its longest label, before the next panel: fixed margins (a layout
-    # engine measures every label first and doubles the drawing time).
+    # Each legend beside its panel, as wide as its longest label: fixed margins (a layout engine doubles drawing time)
     labels = [label for ax in axes for label in ax.get_legend_handles_labels()[1] if not label.startswith("_")]
     legend, panel, gap = 0.6 + 0.075 * max(map(len, labels), default=0), 4.6, 0.9
     width = 0.75 + columns * panel + (columns - 1) * (legend + gap) + legend + 0.1
