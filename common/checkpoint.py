@@ -64,9 +64,8 @@ class TrainingState:
 
     # The loop's bookkeeping, which exact resume depends on: a resume skips `batches_in_epoch` batches of `epoch`.
     def count_micro_batch(self, batches_per_epoch: int, loss: torch.Tensor | None = None) -> None:
-        """One more micro-batch of `epoch` trained on; after the epoch's last, the next epoch starts at its first
-        batch. `loss` (the micro-batch's mean loss) joins the log interval: detached, so no graph is kept, and
-        added on the device, so nothing waits for the GPU here."""
+        """One more micro-batch of `epoch` trained on (after its last, the next epoch starts). `loss` (the micro-batch's
+        mean) joins the log interval, detached (no graph kept) and on the device (nothing waits for the GPU)."""
         self.batches_in_epoch += 1
         if self.batches_in_epoch == batches_per_epoch:
             self.epoch, self.batches_in_epoch = self.epoch + 1, 0
@@ -115,8 +114,7 @@ class CheckpointManager:
         self.keep_last, self.every_steps, self.seed = keep_last, every_steps, seed
         self.may_change = frozenset(may_change)  # the config entries a resume may change (`check_settings`)
         self.model_info = model_info  # what rebuilding and using the model needs; also in the export
-        # The option that sets how long the run trains (--epochs, --max_steps): it may grow on resume, which
-        # extends the run (see `_extend`); `total_steps` is the length in optimizer steps it gives now.
+        # How long the run trains: the option (--epochs, --max_steps; may grow on resume: `_extend`), optimizer steps
         self.length, self.total_steps = length, total_steps
         self.background = background
         self._pending: BackgroundSave | None = None  # the save being written in the background
@@ -141,8 +139,7 @@ class CheckpointManager:
         """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder: `checkpoint_to_resume`)
         and return the state; a fresh one where there is nothing to resume."""
         self._check_run_file()
-        # Each rank its own streams for dropout and augmentation from here on (init used one for all);
-        # a resume then restores the streams the checkpoint saved.
+        # Each rank its own streams for dropout and augmentation from here on; a resume restores the checkpoint's.
         set_seed(self.seed, device_specific=True)
         for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
             self.accelerator.print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
@@ -186,8 +183,7 @@ class CheckpointManager:
 
     def _extend(self, step: int, before: int, after: int) -> None:
         """The run trains longer than its checkpoint's settings said: from `step` on, the learning rate follows the
-        new length's schedule. The steps before are the old run's, unchanged; a later resume with the new length
-        restores this one's."""
+        new length's schedule (the steps before stay the old run's)."""
         changes = follow_new_schedule(self.accelerator._schedulers)
         steps = (f" ({self.total_steps * before // after} to {self.total_steps} optimizer steps)"
                  if self.total_steps else "")
