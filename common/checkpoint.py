@@ -126,9 +126,8 @@ class CheckpointManager:
     def for_run(cls, accelerator: Accelerator, cfg, *, template: str, metric: str, mode: str,
                 model_info: dict | None = None, length: str | None = None, total_steps: int | None = None,
                 settings: dict | None = None) -> CheckpointManager:
-        """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`);
-        a resume may change the options its `Config` declares `may_change=True`. `settings`: what else makes the run
-        what it is (named with spaces, unlike an option: "records split by"), compared as the options are."""
+        """The manager of a template's run, set from the options every template shares (`common.config.RunOptions`).
+        `settings`: what else makes the run what it is (named with spaces: "records split by"), compared as options."""
         return cls(accelerator, cfg.output_dir, template=template, config=config_to_dict(cfg) | (settings or {}),
                    metric=metric, mode=mode, keep_last=cfg.keep_last, every_steps=cfg.checkpoint_every_steps,
                    seed=cfg.seed, may_change=may_change_on_resume(type(cfg)), model_info=model_info, length=length,
@@ -376,9 +375,8 @@ _ABSENT = object()
 def check_settings(path: Path, saved: dict | None, now: dict, may_change: frozenset[str],
                    length: str | None) -> tuple[int, int] | None:
     """Refuse a checkpoint of a run with other settings: resuming it would continue another run under this run's
-    name (a sweep trial reporting a previous trial's result as its own). Only the options in `may_change` may
-    differ, and `length` (--epochs, --max_steps) may grow, which extends the run: then (its length there, the
-    longer one now) is returned."""
+    name. Only the options in `may_change` may differ, and `length` (--epochs, --max_steps) may grow, which extends
+    the run: then (its length there, the longer one now) is returned."""
     if not isinstance(saved, dict):
         return None
     now = json.loads(json.dumps(now))  # as it would read back from JSON: lists, floats
@@ -392,8 +390,7 @@ def check_settings(path: Path, saved: dict | None, now: dict, may_change: frozen
     if not differ:
         return grown
     shown = "; ".join(f"{'--' * name.isidentifier()}{name} {_shown(saved.get(name, _ABSENT))} there, "
-                      f"{_shown(now.get(name, _ABSENT))} now"
-                      for name in differ[:4])
+                      f"{_shown(now.get(name, _ABSENT))} now" for name in differ[:4])
     more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
     grows = f" (--{length} may grow)" if length else ""
     weights = f" (from its weights: --init_from {path.parent.parent})" if "init_from" in now else ""
@@ -429,8 +426,7 @@ def _checkpoint_of_same_step(folder: Path, step: int, exclude: str) -> Path | No
 def checkpoint_to_resume(resume: str, folder: Path) -> Path | None:
     """The checkpoint `--resume` names (None: start fresh), for a run whose checkpoints go to `folder`: "auto" the
     newest complete one in `folder` (or none); "none" starts fresh and refuses a folder that holds checkpoints, so
-    an earlier run is never overwritten by accident; a run folder (or its `checkpoints/`) its newest complete one.
-    """
+    an earlier run is never overwritten by accident; a run folder (or its `checkpoints/`) its newest complete one."""
     existing = complete_checkpoints(folder)
     if resume == "none" and existing:
         raise UsageError(f"{folder.parent} already holds checkpoints of a run (newest: {existing[-1].name}); "
