@@ -50,8 +50,7 @@ class ConfigError(UsageError):
 TRACKERS = ("wandb", "tensorboard", "mlflow", "trackio", "none")
 TRACKER_PACKAGES = {"wandb": (("wandb",), "pip install wandb"),
                     "tensorboard": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
-                    "mlflow": (("mlflow",), "pip install mlflow"),
-                    "trackio": (("trackio",), "pip install trackio")}
+                    "mlflow": (("mlflow",), "pip install mlflow"), "trackio": (("trackio",), "pip install trackio")}
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 
 
@@ -61,8 +60,7 @@ def option(default: Any, help: str, range: str | tuple | None = None, *, may_cha
     `range`: an interval for numbers (`"[1, 1024]"` includes both ends, `"(0, 1)"` neither, `inf` means no
     bound), or a tuple of the choices for a string. Every int and float option needs one.
     `may_change=True`: how a session runs or is watched, not what is trained: a resume may change it
-    (`may_change_on_resume`).
-    """
+    (`may_change_on_resume`)."""
     metadata = ({"help": help} | ({"range": range} if range is not None else {})
                 | ({"may_change": may_change} if may_change is not None else {}))
     if isinstance(default, (list, dict)):
@@ -89,8 +87,7 @@ class RunOptions:
     """The options every template shares: where a run writes, how it resumes, saves, logs and waits. A template's
     `Config` extends it (and may declare a field again for its own default)."""
 
-    output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.",
-                             may_change=True)
+    output_dir: str = option("runs/train", "Checkpoints, metrics, status.json and the export go here.", may_change=True)
     seed: int = option(0, "Seeds init, data order and every random draw of training.", "[0, 2147483647]")
     resume: str = option("auto", "auto (newest checkpoint in output_dir), none (start fresh), a checkpoint folder, "
                          "or a run folder (its newest complete checkpoint: --resume runs/x).", may_change=True)
