@@ -201,8 +201,7 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
     (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
     that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
     `@with_exit_codes(interrupted="...")`. After main() returns or exits, but not after a lost rank,
-    `release()` runs (the templates: common.accelerator.release_process_group).
-    """
+    `release()` runs (the templates: common.accelerator.release_process_group)."""
     if main is None:
         return functools.partial(with_exit_codes, interrupted=interrupted, release=release)  # type: ignore[return-value]
 
@@ -255,8 +254,7 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
                 raise
             rank = os.environ.get("RANK", "0")
             _report(f"rank {rank}: another rank died or did not answer within --timeout_s ({_peer_reason(error)}); "
-                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST,
-                    every_rank=True)
+                    "the last complete checkpoint is kept: resume with --resume auto", EXIT_RANK_LOST, every_rank=True)
 
     return wrapper  # type: ignore[return-value]
 
@@ -272,8 +270,7 @@ class RunStatus:
     (--stop_after_steps, or for good by a sweep agent), "preempted" (requeue it) or "failed" (exit code and error
     line); "running" after the job ended means a crash (SIGKILL, OOM killer). While running, `step` is where a
     resume would continue: the start, then each complete checkpoint's (given `checkpoints`, the run's
-    CheckpointManager). With RUN_STATUS_FILE set, the record is also written there (for a Slurm script, say).
-    """
+    CheckpointManager). With RUN_STATUS_FILE set, the record is also written there (for a Slurm script, say)."""
 
     def __init__(self, accelerator, output_dir: str | os.PathLike, state, checkpoints=None):
         self.enabled = accelerator.is_main_process
