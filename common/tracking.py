@@ -72,8 +72,7 @@ class Tracker:
     Those are accelerate's tracker classes, built as `Accelerator.init_trackers` builds them (each run kept in the
     output folder, resumed after a restart) and handed to the Accelerator (`accelerator.get_tracker(name)`), but
     started, logged to and finished here: the run ids and resumed step are known only after the Accelerator is
-    built, and W&B's end needs the exit code and a preemption mark, which `end_training` cannot pass.
-    """
+    built, and W&B's end needs the exit code and a preemption mark, which `end_training` cannot pass."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, kind: str, project: str,
                  config: dict, resume_step: int = 0):
@@ -288,8 +287,7 @@ class Tracker:
     def finish(self, requeue: bool = False, exit_code: int = 0, quiet: bool = False) -> None:
         """Draw curves.png (main process), end each tracker's run and take it off the Accelerator's list (lest
         `end_training` end it again). `requeue`: a preempted sweep run, marked preempting, which W&B requeues (same
-        id) when `exit_code` is not 0. `quiet`: the run ends with an error line of its own: no picture, no warning.
-        """
+        id) when `exit_code` is not 0. `quiet`: the run ends with an error line of its own: no picture, no warning."""
         if self.enabled and not quiet:
             self.draw_curves()
         if not self.trackers:
@@ -350,11 +348,10 @@ class Tracker:
 
 def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
     """Start W&B's service outside this process's tree, for wandb.init to connect to (through WANDB_SERVICE); its
-    pid, or None where W&B's internals differ (then W&B starts it as its child).
-
-    `accelerate launch` answers a Ctrl-C or SIGTERM by terminating every descendant of the training process at
-    once: a child service would die before the run ends its W&B run. Started by a shell that exits at once, in a
-    session of its own, the service still ends 5 s after its last client (this process) is gone."""
+    pid, or None where W&B's internals differ (then W&B starts it as its child). `accelerate launch` answers a
+    Ctrl-C or SIGTERM by terminating every descendant of the training process at once: a child service would die
+    before the run ends its W&B run. Started by a shell that exits at once, in a session of its own, the service
+    still ends 5 s after its last client (this process) is gone."""
     if os.environ.get("WANDB_SERVICE") or not hasattr(os, "fork"):
         return None  # a service of the parent's (`wandb agent`'s); or Windows, where no tree is terminated
     try:
