@@ -139,8 +139,7 @@ class PreemptionWatcher:
         Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so non-finite
         gradients are never applied. One small all-reduce and one host sync for all three; the `stop_requested()`
         that follows answers from it, and `save_if_due` raises a failed background save at this step on every
-        rank. Each call counts one optimizer step of the session (for `stop_now`).
-        """
+        rank. Each call counts one optimizer step of the session (for `stop_now`)."""
         self.session_steps += 1
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
@@ -200,8 +199,7 @@ def end_run(accelerator: Accelerator, *, status, tracker, preemption: Preemption
     `stopping`: the loop stopped for a stop signal or --stop_after_steps and saved a checkpoint there; the reason
     recorded is the agreed signal, else --stop_after_steps (none for a run that trained to its end), unless the
     template gives its own `reason` (early stopping). The stop line is the last one, after W&B's; on stderr when
-    the run exits 75, whose stderr tail `accelerate launch` shows.
-    """
+    the run exits 75, whose stderr tail `accelerate launch` shows."""
     if reason is None:
         reason = (preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps") if stopping else ""
     requeue = stopping and preemption.requeue
@@ -329,8 +327,7 @@ class Throughput:
     (every process's) per optimizer step, peak memory, and MFU where the device's peak is known. Waiting more than
     `DATA_WAIT_WARNING` of the time in two intervals in a row (one is not enough: an epoch's first batch always
     waits) gets one warning naming --num_workers. `items_per_micro_batch`: a number, or a function of the batch
-    giving a count on the device (a padded batch's tokens), read on the host only at the reading.
-    """
+    giving a count on the device (a padded batch's tokens), read on the host only at the reading."""
 
     DATA_WAIT_WARNING = 0.1
 
