@@ -47,8 +47,7 @@ def ignore_stop_signals_from_others() -> None:
     before it can checkpoint. A thread waits for them (there the sender's pid is known), exits for the parent's
     SIGTERM as torch's worker handler does, and within a second once the parent is gone (torch's watchdog, reading
     the parent as its loop starts, may watch pid 1 for good). Linux only. `worker_context()` forks workers with
-    these signals blocked, so one sent before this runs waits here.
-    """
+    these signals blocked, so one sent before this runs waits here."""
     if not hasattr(signal, "sigtimedwait"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started from here on inherit the mask
@@ -118,8 +117,7 @@ def build_loader(dataset: Dataset, *, batch_size: int, train: bool, seed: int, d
     last incomplete batch. The shuffle comes from the sampler's own generator (accelerate reseeds it with seed +
     epoch): the same permutation on every rank, each taking its shard. Worker seeds come from a generator seeded per
     rank: ranks and workers draw different numbers, reproducibly, and an iterator never consumes the global torch
-    RNG (which would shift dropout masks after a resume). Memory is pinned only for a GPU `device`.
-    """
+    RNG (which would shift dropout masks after a resume). Memory is pinned only for a GPU `device`."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1, got {batch_size}")
     sampler_generator = torch.Generator().manual_seed(seed)
@@ -174,7 +172,6 @@ def stable_fraction(key: str) -> float:
 
 def split_by_key(keys: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
     """Split items (files, say) by a stable hash of their key: an item never changes split when others are added.
-
     `val_fraction` is in (0, 1), as the templates' --val_fraction range makes it."""
     train, val = [], []
     for index, key in enumerate(keys):
