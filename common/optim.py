@@ -50,13 +50,11 @@ def fused_adamw_on(accelerator) -> bool:
 def average_over_targets(parameters: list[torch.nn.Parameter], step_sums: torch.Tensor, accelerator) -> torch.Tensor:
     """Make the gradients of summed token losses the gradient of the mean over every target token of the step.
 
-    `step_sums` is this rank's [loss sum, target count] over the micro-batches of the step, each of which went
-    through `accelerator.backward(loss sum)`. accelerate divided each by the accumulation steps and DDP / FSDP
-    averaged over the ranks; multiplying back and dividing by all ranks' target count (one all-reduce, no host
-    sync) weighs every target token once, whatever micro-batch and rank it is on (a mean per micro-batch would
-    not). Call it once the step's last backward is done, before clipping. Returns every rank's sums (the same on
-    all), for the logged loss.
-    """
+    `step_sums` is this rank's [loss sum, target count] over the step's micro-batches, each through
+    `accelerator.backward(loss sum)`, which accelerate divided by the accumulation steps and DDP / FSDP averaged over
+    the ranks; multiplying back and dividing by all ranks' target count (one all-reduce, no host sync) weighs every
+    target token once, whatever micro-batch and rank it is on. Call it after the step's last backward, before
+    clipping. Returns every rank's sums (the same on all), for the logged loss."""
     step_sums = accelerator.reduce(step_sums, reduction="sum")
     scale = (accelerator.gradient_accumulation_steps * accelerator.num_processes) / step_sums[1].clamp_min(1)
     for param in parameters:  # one at a time: FSDP2's gradients are DTensors, which take a 0-d tensor factor
@@ -88,10 +86,9 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
 
 
 def follow_new_schedule(schedulers: list) -> list[tuple[float, float]]:
-    """Set each LambdaLR's learning rate (the templates' warmup + cosine) to what its schedule gives at its current
-    step; returns each parameter group's (old, new) rate. A resume that extends the run needs it: the scheduler holds
-    the new length's schedule (a function is not saved with its state), the rate restored for the next step is the
-    old length's. `schedulers` may be accelerate's wrappers."""
+    """Set each LambdaLR's learning rate (the templates' warmup + cosine; `schedulers` may be accelerate's wrappers)
+    to what its schedule gives at its current step; returns each parameter group's (old, new) rate. For a resume that
+    extends the run: the schedule is the new length's, the rate the checkpoint restored the old length's."""
     changes = []
     for scheduler in schedulers:
         inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the torch scheduler
