@@ -63,9 +63,8 @@ def load_tokenizer_and_config(name: str):
 
 def load_pretrained(name: str, config, dtype: torch.dtype) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained(name)` in `dtype`. A .gguf file's weights are dequantized into a plain
-    model that trains and that `save_pretrained` writes: transformers flags a GGUF-loaded model as quantized and
-    refuses to save it, and with the `kernels` package it would keep the weights packed (not trainable). `config`
-    (from `load_tokenizer_and_config`) spares it parsing the file's metadata again."""
+    model that trains and that `save_pretrained` writes (transformers would flag it quantized, refuse to save it and,
+    with the `kernels` package, keep the weights packed). `config` spares parsing the file's metadata again."""
     from transformers import AutoModelForCausalLM
 
     where, gguf = gguf_source(name)
@@ -116,10 +115,9 @@ def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
 def load_once_per_machine(accelerator: Accelerator, pretrained: Callable[[], torch.nn.Module],
                           empty: Callable[[], torch.nn.Module],
                           adapt: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
-    """`adapt(pretrained())`: the model to train. Under FSDP only rank 0 reads the weights: every rank builds `empty()`
-    (the same architecture, `from_config`) on the meta device, adapts it alike, shards it, and rank 0 broadcasts its
-    weights into each rank's shard (`shard_and_broadcast`), so a machine holds one full copy while loading instead of
-    one per rank. What `adapt` draws at random (LoRA's initial adapter) is drawn on rank 0 and broadcast too."""
+    """`adapt(pretrained())`: the model to train. Under FSDP only rank 0 reads the weights (and draws what `adapt`
+    draws: LoRA's initial adapter): every rank builds `empty()` on the meta device, adapts and shards it, and rank 0
+    broadcasts its weights into the shards, so a machine holds one full copy while loading instead of one per rank."""
     from accelerate import init_empty_weights
     from accelerate.utils import DistributedType
 
@@ -210,8 +208,7 @@ def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_ind
     (the last one at the first batch, to check the logits); the output layer is then applied to the hidden states of
     the target positions only, `chunk` at a time, each chunk's fp32 logits dropped after its loss (recomputed in
     backward, except the last chunk's). A model that returns other logits than its output layer made (a soft cap)
-    gets the whole logits from then on.
-    """
+    gets the whole logits from then on."""
     targets = labels[:, 1:]
     rows, positions = (targets != ignore_index).nonzero(as_tuple=True)
     picked = targets[rows, positions]
