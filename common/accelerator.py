@@ -92,12 +92,10 @@ def build_accelerator(*, seed: int, mixed_precision: str = "auto", gradient_accu
 
 # --------------------------------------------------------------------------------- stop signals
 # SIGTERM or SIGUSR1 (Slurm's `--signal`, spot-instance agents: some time before a kill) -> finish the step, agree,
-# checkpoint, exit. The handler only sets a flag; the loop asks `stop_requested()` after each optimizer step, and the
-# ranks agree in one tiny all-reduce, so they stop at the same step even when one rank alone got the signal (before
-# the session's first step, on one process, the handler ends the run at once: StoppedBeforeTraining).
-# Outside a sweep both signals mean "preempted: requeue me" (exit 75). Under `wandb agent`, SIGTERM is the agent's
-# own stop (early termination, a stopped sweep): over for good; SIGUSR1 stays a preemption, and W&B requeues the run
-# (`requeue`) under the same id, in the same folder, where it resumes.
+# checkpoint, exit. The handler only sets a flag (before the session's first step, on one process, it ends the run:
+# StoppedBeforeTraining); the ranks agree on it after each optimizer step, so they stop at the same step even when one
+# rank alone got the signal. Both mean "preempted: requeue me" (exit 75), except under `wandb agent`, whose own
+# SIGTERM (early termination, a stopped sweep) ends a run for good; SIGUSR1 stays a preemption (W&B requeues the run).
 # Agreed across ranks by MAX: a preemption warning on any rank outranks a plain stop on another.
 _RANK = {None: 0, signal.SIGTERM: 1, signal.SIGUSR1: 2}
 
@@ -295,9 +293,8 @@ def describe(accelerator: Accelerator) -> str:
 
 
 # ------------------------------------------------------------------------------ what the hardware gives
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per GPU from the vendors' datasheets; fp16 for
-# GPUs without bf16 (V100, T4), which train in fp16 here. The first name contained in the device name wins,
-# so specific names come first. None: no published figure (A10G), so no MFU unless --peak_tflops is given.
+# Dense bf16 tensor-core peaks in TFLOP/s per GPU (vendors' datasheets; fp16 where there is no bf16: V100, T4). The
+# first name contained in the device name wins. None: no published figure, so no MFU unless --peak_tflops is given.
 PEAK_TFLOPS: tuple[tuple[str, float | None], ...] = (
     ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
     ("B200", 2250.0), ("A100", 312.0), ("A10G", None), ("A10", 125.0), ("A40", 149.7), ("A6000", 154.8),
