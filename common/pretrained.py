@@ -268,9 +268,8 @@ def _autocast_state(device_type: str) -> tuple[str, dict]:
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: list[int], eos_id: int, pad_id: int,
              device) -> list[list[int]]:
-    """Greedy answers to all `prompts` at once, each up to its `new_tokens` and cut before its EOS.
-
-    One batch with the KV cache (asked for here: training turns it off): the prompts left-padded (masked, positions
+    """Greedy answers to all `prompts` at once, each up to its `new_tokens` and cut before its EOS: one batch with the
+    KV cache (asked for here: training turns it off): the prompts left-padded (masked, positions
     counting from each one's own first token), one forward over them, then one per new token, only the last
     position's logits computed; `max(new_tokens)` forwards whatever the answers, as many on every rank (FSDP)."""
     if not prompts or max(new_tokens, default=0) <= 0:
