@@ -106,10 +106,9 @@ def writer_group(accelerator: Accelerator, timeout_s: float):
 
 
 def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, copy: bool = True) -> Snapshot:
-    """What accelerate's save_state would write into `folder` on this rank, copied to host memory now: the part of
-    a background save that must happen at the step. Only for a run `cannot_mirror` accepts. `copy` False (nothing
-    trains after this save): the state dicts as they are, and `host_copy`'s buffers let go, so host memory holds
-    one copy of weights and optimizer state, not two."""
+    """What accelerate's save_state would write into `folder` on this rank, copied to host memory now (the part of a
+    background save at the step), for a run `cannot_mirror` accepts. `copy` False (nothing trains after this save):
+    the state dicts as they are, `host_copy`'s buffers let go: one copy of the state in host memory, not two."""
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
