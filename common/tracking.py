@@ -44,8 +44,7 @@ def wandb_has_credentials() -> bool:
         import netrc
 
         host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
-        # The file wandb reads ($NETRC first), named explicitly as wandb does: netrc.netrc() without a
-        # path refuses a ~/.netrc that others can read, which wandb accepts, and the run went offline.
+        # The file wandb reads, named as wandb does: netrc.netrc() without a path refuses a ~/.netrc others can read
         path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
         return netrc.netrc(path).authenticators(host) is not None
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
@@ -382,9 +381,8 @@ def not_a_lost_service_write(record: logging.LogRecord) -> bool:
 
 def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:
     """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step`, as metrics.jsonl
-    and TensorBoard's purge do: the resumed session logs them again. Neither has a call for it, so this edits their
-    tables (MLflow's `metrics` and `latest_metrics` by `run_uuid`, trackio's `metrics` by `run_name`); a store
-    without that table or column is left as it is."""
+    and TensorBoard's purge do (the resumed session logs them again), by editing its table, as neither has a call
+    for it; a store without that table or column is left as it is."""
     import sqlite3
 
     if not database.is_file():
