@@ -56,9 +56,8 @@ class SaveError(OSError):
 
 class StoppedBeforeTraining(KeyboardInterrupt):
     """A stop signal before the session's first optimizer step, raised by PreemptionWatcher's handler wherever the
-    run then is: nothing to save yet, and a launcher kills a rank a few seconds after passing a stop on (accelerate:
-    5 s) while the first step may be minutes away (a model's load, the first evaluation). A KeyboardInterrupt,
-    which the libraries it may interrupt (W&B, the DataLoader) handle as a user's stop."""
+    run then is: nothing to save yet, and a launcher kills a rank 5 s after passing a stop on, while the first step
+    may be minutes away. A KeyboardInterrupt, which W&B and the DataLoader handle as a user's stop."""
 
     def __init__(self, state: str, exit_code: int, reason: str):
         super().__init__(reason)
