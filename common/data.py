@@ -360,11 +360,10 @@ def is_plain_text(path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- padded or packed batches
-# Packing (the fine-tuning template): whole examples in rows of up to `max_length` tokens, no compute on padding,
-# and no example attending to another: transformers builds a block-diagonal causal mask from position ids that
-# restart at each example when the forward gets no attention mask and builds no cache (the SDPA, eager and flex
-# masks; flash attention reads the ids itself). So a packed batch is input ids, position ids and labels only,
-# and the forward is called with `use_cache=False`.
+# Packing (the fine-tuning template): whole examples in rows of up to `max_length` tokens, no compute on padding, and
+# no example attending to another: transformers builds a block-diagonal causal mask from position ids that restart at
+# each example when the forward gets no attention mask and builds no cache (SDPA, eager, flex; flash attention reads
+# the ids itself). So a packed batch is input ids, position ids and labels only, and the forward gets use_cache=False.
 IGNORE = -100  # label of a token that is not learned (torch's cross-entropy ignore_index)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 PACKABLE_LAYERS = ("full_attention", "sliding_attention")
