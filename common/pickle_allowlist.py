@@ -18,8 +18,8 @@ import torch
 from common.errors import UsageError, one_line
 
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
-# What torch.distributed.checkpoint pickles into a sharded folder's `.metadata`: its own dataclasses,
-# torch.Size, dtypes and layouts, and a path. Anything else in such a file is refused.
+# What torch.distributed.checkpoint pickles into a `.metadata` (anything else there is refused): its own dataclasses,
+# torch.Size, dtypes and layouts, and a path.
 _DCP_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
