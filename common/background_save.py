@@ -1,10 +1,9 @@
 """Background checkpoint writes: what `accelerator.save_state` would write, copied to host memory at the step and
-written by a thread while training goes on.
-
-Mirrors accelerate 1.16's `Accelerator.save_state` and the RNG file of `checkpointing.save_accelerator_state`, file by
-file (pinned byte for byte by tests/test_checkpoint.py), so `load_state` reads either kind. Re-read it on an
-accelerate or torch upgrade: it uses private attributes and functions of both, imported where used, so on a release
-without one `cannot_mirror` names it and the run saves at the step instead.
+written by a thread while training goes on. Mirrors accelerate 1.16's `Accelerator.save_state` and the RNG file of
+`checkpointing.save_accelerator_state`, file by file (pinned byte for byte by tests/test_checkpoint.py), so
+`load_state` reads either kind. Re-read it on an accelerate or torch upgrade: it uses private attributes and
+functions of both, imported where used, so on a release without one `cannot_mirror` names it and the run saves at
+the step instead.
 """
 
 from __future__ import annotations
