@@ -267,9 +267,8 @@ class RunStatus:
     pass exit codes on (`accelerate launch` turns every failure into 1). Written atomically by the main process:
     "running" once the run started (settings checked, checkpoint loaded), then "finished", "stopped"
     (--stop_after_steps, or for good by a sweep agent), "preempted" (requeue it) or "failed" (exit code and error
-    line); "running" after the job ended means a crash (SIGKILL, OOM killer). While running, `step` is where a
-    resume would continue: the start, then each complete checkpoint's (given `checkpoints`, the run's
-    CheckpointManager). With RUN_STATUS_FILE set, the record is also written there (for a Slurm script, say)."""
+    line); "running" after the job ended means a crash. While running, `step` is where a resume would continue: the
+    start, then each complete checkpoint's (`checkpoints`). With RUN_STATUS_FILE set, it is also written there."""
 
     def __init__(self, accelerator, output_dir: str | os.PathLike, state, checkpoints=None):
         self.enabled = accelerator.is_main_process
