@@ -77,10 +77,9 @@ def publish_export(accelerator: Accelerator, path: str | os.PathLike, write: Cal
 def export_pretrained(accelerator: Accelerator, model: torch.nn.Module, tokenizer, folder: str | os.PathLike,
                       base_model: str, merge_adapter: bool = False, weights: Path | None = None) -> Path:
     """A transformers model (or a peft one) as `save_pretrained` writes it, with its tokenizer and the base's
-    generation config, published atomically; call on every rank (FSDP gathers the full state dict). A LoRA model
-    exports its adapter (on `base_model`, a local one by its absolute path), or with `merge_adapter` the merged
-    model. `weights`: a file (the exported step's checkpoint's model.safetensors) hard-linked into the export where
-    it holds exactly the tensors save_pretrained would write, instead of writing them again."""
+    generation config, published atomically; call on every rank. A LoRA model exports its adapter (on `base_model`,
+    a local one by its absolute path), or with `merge_adapter` the merged model. `weights` (the step's checkpoint's
+    model.safetensors) is hard-linked in where it holds exactly the tensors save_pretrained would write."""
     state_dict = accelerator.get_state_dict(model)  # full weights on the main process (FSDP gathers the shards)
 
     def write(tmp: Path) -> None:  # on the main process; publish_export renames it to `folder` when it is whole
