@@ -18,8 +18,7 @@ import torch
 from common.errors import UsageError, one_line
 
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
-# What torch.distributed.checkpoint pickles into a `.metadata` (anything else there is refused): its own dataclasses,
-# torch.Size, dtypes and layouts, and a path.
+# What torch.distributed.checkpoint pickles into a `.metadata`: its own dataclasses, torch.Size, dtypes, layouts, paths
 _DCP_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
