@@ -41,8 +41,7 @@ if dist.is_available():
 # The process group build_accelerator joined: held here so that release_process_group() drops the last reference.
 _GROUPS: list = []
 
-# accelerate's optimizer wrapper and backward ask at every step whether the optional lomo_optim package is installed:
-# an uncached import-system search each time (bench/overhead.py). Installed packages do not change mid-run.
+# accelerate asks at every step whether lomo_optim is installed, an uncached search; packages do not change mid-run
 for _module in (accelerate.optimizer, accelerate.accelerator):
     if hasattr(_module, "is_lomo_available") and not hasattr(_module.is_lomo_available, "cache_info"):
         _module.is_lomo_available = functools.cache(_module.is_lomo_available)
@@ -192,12 +191,11 @@ class PreemptionWatcher:
 def end_run(accelerator: Accelerator, *, status, tracker, preemption: PreemptionWatcher, stopping: bool,
             reason: str | None = None) -> None:
     """What every run does last: record how it ended (status.json, W&B), close the process group, say why it
-    stopped, and exit 75 when it must come back (preempted, not stopped for good by a sweep agent).
-
-    `stopping`: the loop stopped for a stop signal or --stop_after_steps and saved a checkpoint there; the reason
-    recorded is the agreed signal, else --stop_after_steps (none for a run that trained to its end), unless the
-    template gives its own `reason` (early stopping). The stop line is the last one, after W&B's; on stderr when
-    the run exits 75, whose stderr tail `accelerate launch` shows."""
+    stopped, and exit 75 when it must come back (preempted, not stopped for good by a sweep agent). `stopping`: the
+    loop stopped for a stop signal or --stop_after_steps and saved a checkpoint there; the reason recorded is the
+    agreed signal, else --stop_after_steps (none for a run that trained to its end), unless the template gives its
+    own `reason` (early stopping). The stop line is the last one, after W&B's; on stderr when the run exits 75,
+    whose stderr tail `accelerate launch` shows."""
     if reason is None:
         reason = (preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps") if stopping else ""
     requeue = stopping and preemption.requeue
