@@ -66,12 +66,11 @@ def sweep_run_dir(output_dir: str) -> str:
 
 class Tracker:
     """Log metrics once, from the main process, to `metrics.jsonl` (always: the local search runner reads it, and it
-    needs no account; on resume, lines after the resumed step are dropped) and to the trackers `kind` names.
-
-    Those are accelerate's tracker classes, built as `Accelerator.init_trackers` builds them (each run kept in the
-    output folder, resumed after a restart) and handed to the Accelerator (`accelerator.get_tracker(name)`), but
-    started, logged to and finished here: the run ids and resumed step are known only after the Accelerator is
-    built, and W&B's end needs the exit code and a preemption mark, which `end_training` cannot pass."""
+    needs no account; on resume, lines after the resumed step are dropped) and to the trackers `kind` names. Those are
+    accelerate's tracker classes, built as `Accelerator.init_trackers` builds them (each run kept in the output folder,
+    resumed after a restart) and handed to the Accelerator (`accelerator.get_tracker(name)`), but started, logged to and
+    finished here: the run ids and resumed step are known only after the Accelerator is built, and W&B's end needs the
+    exit code and a preemption mark, which `end_training` cannot pass."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, kind: str, project: str,
                  config: dict, resume_step: int = 0):
