@@ -131,12 +131,11 @@ class PreemptionWatcher:
 
     def check_step(self, grad_norm: torch.Tensor, checkpoints: CheckpointManager | None = None) -> bool:
         """Whether `grad_norm` is finite; in the same exchange the ranks agree on stop signals and on whether the
-        background write of `checkpoints` (the run's CheckpointManager, passed at each call, never kept) failed.
-
-        Call on every rank at each optimizer step, after clipping and before `optimizer.step()`, so non-finite
-        gradients are never applied. One small all-reduce and one host sync for all three; the `stop_requested()`
-        that follows answers from it, and `save_if_due` raises a failed background save at this step on every
-        rank. Each call counts one optimizer step of the session (for `stop_now`)."""
+        background write of `checkpoints` (the run's CheckpointManager, passed at each call, never kept) failed. Call on
+        every rank at each optimizer step, after clipping and before `optimizer.step()`, so non-finite gradients are
+        never applied. One small all-reduce and one host sync for all three; the `stop_requested()` that follows answers
+        from it, and `save_if_due` raises a failed background save at this step on every rank. Each call counts one
+        optimizer step of the session (for `stop_now`)."""
         self.session_steps += 1
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
