@@ -52,9 +52,8 @@ def wandb_has_credentials() -> bool:
 
 
 def sweep_run_dir(output_dir: str) -> str:
-    """`<output_dir>/<sweep id>/<run id>` in a run that `wandb agent` started (it sets both ids; every rank inherits
-    them), else `output_dir`: the agent starts every run with the same command, and each would resume the one
-    before; a run requeued after a preemption keeps its id, and resumes in its own folder."""
+    """`<output_dir>/<sweep id>/<run id>` in a run that `wandb agent` started (it sets both ids), else `output_dir`:
+    the agent starts every run with the same command (each would resume the one before); a requeued run keeps its id."""
     sweep, run = os.environ.get("WANDB_SWEEP_ID"), os.environ.get("WANDB_RUN_ID")
     if not (sweep and run):
         return output_dir
