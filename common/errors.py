@@ -194,13 +194,11 @@ def _out_of_memory(error: BaseException) -> str | None:
 
 
 def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Callable[[], None] | None = None) -> F:
-    """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code.
-
-    UsageError or running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4
-    (printed once per machine, as every rank raises them); a lost rank -> 5, printed by every rank
-    that noticed, with its number; Ctrl-C -> 130, with `interrupted` (what to do next) after it:
-    `@with_exit_codes(interrupted="...")`. After main() returns or exits, but not after a lost rank,
-    `release()` runs (the templates: common.accelerator.release_process_group)."""
+    """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code. UsageError or
+    running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine, as every
+    rank raises them); a lost rank -> 5, printed by every rank that noticed, with its number; Ctrl-C -> 130, with
+    `interrupted` (what to do next) after it: `@with_exit_codes(interrupted="...")`. After main() returns or exits, but
+    not after a lost rank, `release()` runs (the templates: common.accelerator.release_process_group)."""
     if main is None:
         return functools.partial(with_exit_codes, interrupted=interrupted, release=release)  # type: ignore[return-value]
 
