@@ -56,11 +56,9 @@ MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 
 def option(default: Any, help: str, range: str | tuple | None = None, *, may_change: bool | None = None) -> Any:
     """A config field: its default, its one-line help, the values it may take, and whether a resume may change it.
-
-    `range`: an interval for numbers (`"[1, 1024]"` includes both ends, `"(0, 1)"` neither, `inf` means no
-    bound), or a tuple of the choices for a string. Every int and float option needs one.
-    `may_change=True`: how a session runs or is watched, not what is trained: a resume may change it
-    (`may_change_on_resume`)."""
+    `range`: an interval for numbers (`"[1, 1024]"` includes both ends, `"(0, 1)"` neither, `inf` means no bound), or a
+    tuple of the choices for a string. Every int and float option needs one. `may_change=True`: how a session runs or is
+    watched, not what is trained: a resume may change it (`may_change_on_resume`)."""
     metadata = ({"help": help} | ({"range": range} if range is not None else {})
                 | ({"may_change": may_change} if may_change is not None else {}))
     if isinstance(default, (list, dict)):
