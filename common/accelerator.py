@@ -126,8 +126,7 @@ class PreemptionWatcher:
         # end here would meet the others in a collective (and torchrun gives its ranks 30 s, not accelerate's 5).
         if self.session_steps == 0 and self.num_processes == 1 and not self.stop_agreed:
             self.stop_agreed = True
-            raise StoppedBeforeTraining("preempted" if self.requeue else "stopped",
-                                        EXIT_PREEMPTED if self.requeue else 0, self.stop_reason())
+            raise StoppedBeforeTraining("preempted" if self.requeue else "stopped", self.stop_reason())
 
     def check_step(self, grad_norm: torch.Tensor, checkpoints: CheckpointManager | None = None) -> bool:
         """Whether `grad_norm` is finite; in the same exchange the ranks agree on stop signals and on whether the

@@ -59,9 +59,13 @@ class StoppedBeforeTraining(KeyboardInterrupt):
     run then is: nothing to save yet, and a launcher kills a rank 5 s after passing a stop on, while the first step
     may be minutes away. A KeyboardInterrupt, which W&B and the DataLoader handle as a user's stop."""
 
-    def __init__(self, state: str, exit_code: int, reason: str):
+    def __init__(self, state: str, reason: str):
         super().__init__(reason)
-        self.state, self.exit_code, self.reason = state, exit_code, reason
+        self.state, self.reason = state, reason
+
+    @property
+    def exit_code(self) -> int:
+        return END_STATES[self.state]
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
