@@ -284,8 +284,10 @@ def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:
 def describe(accelerator: Accelerator) -> str:
     """One line for the log: what kind of job this is."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-    return (f"{kind} on {accelerator.device.type}, {accelerator.num_processes} process(es), mixed precision "
-            f"{accelerator.mixed_precision}, gradient accumulation {accelerator.gradient_accumulation_steps}")
+    kind = "" if kind == "NO" else f" ({kind})"  # accelerate's name for one process, which reads as a refusal
+    return (f"{accelerator.num_processes} process{'es' * (accelerator.num_processes > 1)} on {accelerator.device.type}"
+            f"{kind}, mixed precision {accelerator.mixed_precision}, gradient accumulation "
+            f"{accelerator.gradient_accumulation_steps}")
 
 
 # ------------------------------------------------------------------------------ what the hardware gives

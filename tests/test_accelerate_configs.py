@@ -114,7 +114,7 @@ def test_multi_node_shape_runs_as_one_job_on_two_local_machines(tmp_path):
     # report a job of two processes which split the data: 1438 digits / 64 per batch = 22 batches,
     # 11 per rank per epoch (one process alone would take 22 per epoch, 44 in all).
     for result in (first, second):
-        assert "MULTI_CPU on cpu, 2 process(es)" in result.stdout, result.stdout
+        assert "2 processes on cpu (MULTI_CPU)" in result.stdout, result.stdout
         assert "1438 training / 359 validation images" in result.stdout
         assert re.search(r"\b22 optimizer steps\b", result.stdout), result.stdout
 

@@ -117,7 +117,7 @@ def test_describe_is_one_line(fresh_accelerate):
     accelerator = build_accelerator(seed=0, gradient_accumulation_steps=4)
     line = describe(accelerator)
     assert "\n" not in line
-    assert line == "NO on cpu, 1 process(es), mixed precision no, gradient accumulation 4"
+    assert line == "1 process on cpu, mixed precision no, gradient accumulation 4"
 
 
 @pytest.mark.parametrize("name, peak", [

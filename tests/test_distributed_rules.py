@@ -137,7 +137,7 @@ def two_ranks(request, tmp_path_factory):
 
 def test_the_runs_are_one_job_of_two_ranks(two_ranks):
     _, _, _, result, _ = two_ranks
-    assert "MULTI_CPU on cpu, 2 process(es)" in result.stdout
+    assert "2 processes on cpu (MULTI_CPU)" in result.stdout
 
 
 def test_export_and_progress_bar_on_the_main_process_only(two_ranks):
@@ -155,7 +155,7 @@ def test_logging_and_printing_happen_once(two_ranks):
     keys = [(record["step"], key) for record in records for key in record if key not in ("step", "time")]
     assert len(keys) == len(set(keys)), "a metric was logged twice for one step"
     assert sum("train/loss" in record for record in records) >= 3
-    once = ["MULTI_CPU on cpu, 2 process(es)"] + (
+    once = ["2 processes on cpu (MULTI_CPU)"] + (
         ["epoch 1/1: val loss", "final validation accuracy"] if template == "image_classification"
         else ["step 6: val loss", "step 12: val loss", "validation: "])
     for text in once:  # counted anywhere: the ranks' lines can end up on one line of the launcher's output

@@ -171,7 +171,7 @@ def ddp_baseline(tmp_path_factory):
 # ------------------------------------------------------------------------------------ 1. cpu.yaml
 def test_cpu_run_writes_the_documented_outputs(plain_run, tmp_path):
     out, result = plain_run
-    assert "NO on cpu, 1 process(es)" in result.stdout
+    assert "1 process on cpu, mixed precision" in result.stdout
     final = r"^final validation accuracy: \d+\.\d\d% \(best \d+\.\d\d% at step \d+\)$"
     assert re.search(final, result.stdout, re.M), result.stdout
     run = json.loads((out / "run.json").read_text())
@@ -202,7 +202,7 @@ def test_cpu_export_loads_into_the_plain_model(plain_run):
 # ------------------------------------------------------------------------------ 2. cpu_ddp.yaml
 def test_ddp_ranks_form_one_job(ddp_baseline, single_baseline):
     out, result, ranks = ddp_baseline
-    assert "MULTI_CPU on cpu, 2 process(es)" in result.stdout
+    assert "2 processes on cpu (MULTI_CPU)" in result.stdout
     assert f"{DIGITS_TRAIN} training / {DIGITS_VAL} validation images" in result.stdout
     # Stronger than the log line: what each rank saw of the process group and its model wrapper ...
     assert sorted(ranks) == ["rank0.pt", "rank1.pt"]
@@ -257,7 +257,7 @@ def test_learning_rate_follows_the_schedule_per_optimizer_step(processes, single
 def test_fsdp_trains_sharded_resumes_and_exports(tmp_path, ddp_baseline):
     out = tmp_path / "run"
     first = run_template("fsdp.yaml", out, *EXACT, "--stop_after_steps", "4", num_processes=2)
-    assert "FSDP on cpu, 2 process(es)" in first.stdout
+    assert "2 processes on cpu (FSDP)" in first.stdout
     assert "stopped at step 4" in first.stdout
     assert not (out / "model.safetensors").exists()
     checkpoint = out / "checkpoints" / "step_00000004"
@@ -268,7 +268,7 @@ def test_fsdp_trains_sharded_resumes_and_exports(tmp_path, ddp_baseline):
     assert not (checkpoint / "model.safetensors").exists()
 
     second = run_template("fsdp.yaml", out, *EXACT, "--resume", "auto", num_processes=2)
-    assert "FSDP on cpu, 2 process(es)" in second.stdout
+    assert "2 processes on cpu (FSDP)" in second.stdout
     assert f"resumed from {checkpoint} at step 4" in second.stdout
     assert "final validation accuracy" in second.stdout
     assert [record["epoch"] for record in val_records(out)] == [1, 2]

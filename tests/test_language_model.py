@@ -98,7 +98,7 @@ def interrupted(config: str, out: Path, corpus: Path, stop_after: int) -> None:
 # ----------------------------------------------------------------------------------- one process
 def test_one_process_trains_exports_and_samples(tmp_path, corpus):
     result = run("cpu.yaml", tmp_path / "run", corpus)
-    assert "NO on cpu, 1 process(es)" in result.stdout
+    assert "1 process on cpu, mixed precision" in result.stdout
     assert_loss_falls(tmp_path / "run")
     assert (tmp_path / "run" / "model.safetensors").is_file()
     bpb = metrics(tmp_path / "run", "val/bpb")[STEPS]
@@ -153,7 +153,7 @@ def ddp_runs(tmp_path_factory, corpus) -> tuple[Path, Path, str]:
 
 def test_ddp_trains_with_the_planned_schedule(ddp_runs):
     whole, _, stdout = ddp_runs
-    assert "MULTI_CPU on cpu, 2 process(es)" in stdout and "19 micro-batches per epoch" in stdout
+    assert "2 processes on cpu (MULTI_CPU)" in stdout and "19 micro-batches per epoch" in stdout
     assert_loss_falls(whole)
     # One scheduler step per optimizer step, also with 2 processes (accelerate's default takes 2).
     from common.optim import warmup_cosine
@@ -186,7 +186,7 @@ def fsdp_runs(tmp_path_factory, corpus) -> tuple[Path, Path, str, Path]:
 
 def test_fsdp_trains_sharded_one_unit_per_block(fsdp_runs):
     whole, _, stdout, probe_file = fsdp_runs
-    assert "FSDP on cpu, 2 process(es)" in stdout
+    assert "2 processes on cpu (FSDP)" in stdout
     assert_loss_falls(whole)
     assert torch.load(probe_file)["blocks_wrapped"] == [True, True]
     # The checkpoint holds sharded model state (one distributed-checkpoint folder), not a full copy.
