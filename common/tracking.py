@@ -352,6 +352,7 @@ def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
     if os.environ.get("WANDB_SERVICE") or not hasattr(os, "fork"):
         return None  # a service of the parent's (`wandb agent`'s); or Windows, where no tree is terminated
     try:
+        from wandb.sdk import wandb_init
         from wandb.sdk.lib.service import service_port_file
         from wandb.util import get_core_path
 
@@ -367,6 +368,7 @@ def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
         if token is None:
             return None
         token.save_to_env()
+        wandb_init._shared_service_notice_shown = True  # else W&B says it uses "an existing" service: this one
         return int(shell.stdout)
     except Exception:  # noqa: BLE001  (W&B's internals of another version: W&B starts its service itself)
         return None

@@ -426,6 +426,31 @@ def test_a_wandb_service_killed_before_the_end_costs_the_run_neither_its_end_nor
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: W&B could not finish")]
     assert len(warnings) == 1, done.stderr[-3000:]
 
+QUIET_SERVICE = """
+import sys
+from types import SimpleNamespace
+from accelerate.state import PartialState
+from common.tracking import Tracker
+PartialState(cpu=True)
+tracker = Tracker(SimpleNamespace(is_main_process=True), sys.argv[1], kind="wandb", project="tests", config={})
+tracker.log({"loss": 0.5}, step=1)
+tracker.finish()
+"""
+
+
+def test_a_wandb_run_does_not_announce_the_service_it_started_itself(tmp_path, no_wandb_env, repo):
+    # W&B says "Using an existing wandb-core service via WANDB_SERVICE." when it connects to a service started
+    # elsewhere: here the run started it, apart, for itself (start_wandb_service_apart); a user reads it as a leftover.
+    import subprocess
+
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "-c", QUIET_SERVICE, str(tmp_path / "run")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "W&B syncing is set to `offline`" in done.stderr  # W&B's own notices still shown
+    assert "existing wandb-core service" not in done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("W&B run saved offline; upload it with: wandb sync ")
+
 # --- credentials --------------------------------------------------------------------------------
 
 def write_netrc(path: Path, machine: str, mode: int = 0o600, password: str = "k" * 40) -> None:
