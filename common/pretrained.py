@@ -6,6 +6,7 @@ prompts while it trains."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -45,7 +46,10 @@ def load_tokenizer_and_config(name: str):
     a causal LM."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as transformers_logging
 
+    if not (sys.stdout.isatty() or sys.stderr.isatty()):  # a log file: its bars (loading, writing) would be fragments
+        transformers_logging.disable_progress_bar()
     where, gguf = gguf_source(name)
     try:
         config = AutoConfig.from_pretrained(where, **gguf)  # GGUF: an architecture transformers lacks is a ValueError

@@ -362,6 +362,10 @@ def test_a_lora_run_as_the_readme_types_it_is_quiet_and_its_adapter_loads_from_a
                     launcher_args=("-q", "--num_cpu_threads_per_process", "1"), cwd=work, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "Warning" not in result.stderr and "num_cpu_threads_per_process" not in result.stderr, result.stderr
+    # In a log file transformers' bars (loading weights, writing shards) would be fragments glued to the next line.
+    bars = [line for line in result.stderr.splitlines() if ("it/s]" in line or "s/it]" in line)
+            and not line.startswith("train: ")]
+    assert bars == [], result.stderr
     export = work / "runs" / "finetune_causal_lm" / "model"
     adapter = json.loads((export / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str((work / "tiny").resolve())
