@@ -4,12 +4,15 @@ of the process group before Python shuts down."""
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import functools
 import gc
 import os
 import resource
+import select
 import signal
+import stat
 import sys
 import time
 import warnings
@@ -99,6 +102,30 @@ def build_accelerator(*, seed: int, mixed_precision: str = "auto", gradient_accu
 _RANK = {None: 0, signal.SIGTERM: 1, signal.SIGUSR1: 2}
 
 
+def stop_with_the_launcher(launcher: int) -> None:
+    """Under `accelerate launch` or torchrun, on Linux: a SIGTERM to this process when its launcher ends, whatever
+    ends it (SIGKILL, the OOM killer): the run stops as at a preemption (checkpoint, status.json) instead of training
+    on unwatched until its first write into the launcher's pipe fails it ('Broken pipe'). Not for `python train.py`:
+    a shell that ends (nohup) does not stop it. Until PreemptionWatcher handles SIGTERM, it ends the process."""
+    if sys.platform.startswith("linux") and {"ACCELERATE_DYNAMO_BACKEND", "TORCHELASTIC_RUN_ID"} & os.environ.keys():
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # it ended before
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _silence_pipes_without_reader() -> None:
+    """stdout and stderr, where each is a pipe that no process reads any more: /dev/null from here on."""
+    for fd in (1, 2):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                poller = select.poll()
+                poller.register(fd, select.POLLOUT)
+                if any(event & select.POLLERR for _, event in poller.poll(0)):  # (a pipe without reader)
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+        except OSError:
+            pass
+
+
 def under_sweep_agent() -> bool:
     """True in a run that `wandb agent` started: it sets both variables for the command it runs."""
     return bool(os.environ.get("WANDB_SWEEP_ID") and os.environ.get("WANDB_RUN_ID"))
@@ -106,7 +133,7 @@ def under_sweep_agent() -> bool:
 
 class PreemptionWatcher:
     def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
-                 stop_after_steps: int = 0):
+                 stop_after_steps: int = 0, launcher: int | None = None):
         # Not the accelerator itself: the signal handlers keep this object alive to the end of the process, and
         # through its model it would keep the process group from ever being freed (release_process_group).
         self.num_processes = accelerator.num_processes
@@ -116,12 +143,16 @@ class PreemptionWatcher:
         self._agreed: int | None = None  # the stop flag check_step agreed on, for the next stop_requested()
         self.stop_after_steps = stop_after_steps  # --stop_after_steps: this session's optimizer steps (0: no limit)
         self.session_steps = 0  # optimizer steps of this session: the calls of check_step
+        self.launcher, self.launcher_gone = launcher or os.getppid(), False  # (stop_with_the_launcher)
         for signum in signals:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         if _RANK.get(signum, 1) >= _RANK.get(self.received, 0):
             self.received = signum
+        if os.getppid() != self.launcher and not self.launcher_gone:
+            self.launcher_gone = True
+            _silence_pipes_without_reader()  # the launcher's: the run's last writes would fail it (EPIPE)
         # Once (the launcher passes on a signal its process group got too), and not with several ranks: one rank's
         # end here would meet the others in a collective (and torchrun gives its ranks 30 s, not accelerate's 5).
         if self.session_steps == 0 and self.num_processes == 1 and not self.stop_agreed:
@@ -181,6 +212,8 @@ class PreemptionWatcher:
         if self.received is None:
             return "no stop signal"
         name = signal.Signals(self.received).name
+        if self.launcher_gone:
+            name = f"{name} at the end of its launcher"
         if self.requeue:
             return f"{name} (preemption)"
         return f"{name} from the W&B sweep agent (early termination or a stopped sweep: not requeued)"
@@ -232,6 +265,8 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
     """What every run does first, on every rank: its output folder (its own one under `wandb agent`, checked
     before anything is written), the Accelerator, the stop-signal watcher, and the same seed everywhere (so
     every rank builds the same initial weights; the checkpoint manager then gives each rank its own streams)."""
+    launcher = os.getppid()
+    stop_with_the_launcher(launcher)  # before the process group: a rank would wait for its dead launcher's store
     cfg.output_dir = sweep_run_dir(cfg.output_dir)
     check_output_dir(cfg.output_dir)
     accelerator = build_accelerator(seed=cfg.seed, mixed_precision=cfg.mixed_precision,
@@ -241,7 +276,7 @@ def start_run(cfg) -> tuple[Accelerator, PreemptionWatcher]:
     if hasattr(faulthandler, "register") and sys.__stderr__ is not None:  # `kill -USR2 <pid>`: every thread's stack
         # on the process's own stderr (where a hung run waits), also where sys.stderr has no file (notebook, pytest)
         faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
-    preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps)
+    preemption = PreemptionWatcher(accelerator, stop_after_steps=cfg.stop_after_steps, launcher=launcher)
     set_seed(cfg.seed)
     return accelerator, preemption
 

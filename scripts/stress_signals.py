@@ -10,11 +10,12 @@ process (full fine-tuning) or 2 DDP ranks (LoRA). One signal comes at a moment d
 whole life, from its launch to 10% past the end of an uninterrupted run of the same cell (measured first) for half
 the trials, and from the run's start (its status.json written) to the same end for the other half, so start-up,
 loader start, training, evaluation, checkpoint writes, the export and the end are all hit: SIGTERM or SIGINT to the
-launcher alone or to the whole process group, SIGUSR1 to rank 0, or SIGKILL to rank 0 or 1. A trial holds when
+launcher alone or to the whole process group, SIGUSR1 to rank 0, SIGKILL to rank 0 or 1, or SIGKILL to the launcher
+(its ranks then stop as at a preemption). A trial holds when
 - no process of the run is left 15 s after the launcher exits;
 - the launcher's exit code is one the README gives for it (0, 1, 130, 143; killed by the SIGINT or SIGTERM itself,
-  -2 or -15, which a shell reports as 130 or 143; before the run starts, while the launcher or a rank imports, a
-  KeyboardInterrupt traceback, as any Python program: counted apart);
+  -2 or -15, which a shell reports as 130 or 143; -9 for its SIGKILL; before the run starts, while the launcher or a
+  rank imports, a KeyboardInterrupt traceback, as any Python program: counted apart);
 - status.json is absent (the signal came before the run started) or says how it ended: finished, stopped,
   preempted, failed with 130 (Ctrl-C) or 5 (a lost rank); `running` only when a rank was SIGKILLed (a crash);
 - no Python traceback and no C++ abort ("terminate called") in the output;
@@ -55,7 +56,8 @@ CELLS = {"lm-1": ("lm", "cpu.yaml", 1), "lm-ddp": ("lm", "cpu_ddp.yaml", 2), "lm
          "ft-1": ("ft", "cpu.yaml", 1), "ft-ddp": ("ft-lora", "cpu_ddp.yaml", 2)}
 SCRIPTS = {"lm": "language_model.py", "image": "image_classification.py", "ft": "finetune_causal_lm.py",
            "ft-lora": "finetune_causal_lm.py"}
-SIGNALS = ("TERM launcher", "INT launcher", "TERM group", "INT group", "USR1 rank0", "KILL rank0", "KILL rank1")
+SIGNALS = ("TERM launcher", "INT launcher", "TERM group", "INT group", "USR1 rank0", "KILL rank0", "KILL rank1",
+           "KILL launcher")
 LAUNCHER_CODES = {0, 1, 130, 143}
 END_STATES = {"finished", "stopped", "preempted"}
 ABORT = ("Traceback (most recent call last)", "terminate called")
@@ -181,11 +183,12 @@ def run_trial(trial: Trial, root: Path, corpus: Path, baseline: dict) -> Trial:
     # a KeyboardInterrupt traceback for SIGINT, death by SIGTERM. Counted apart ("before the start"), not failed.
     before_start = record is None and trial.sent == "sent"
     # died of the signal itself (after its handler was gone: its child had ended): a shell says 128 + n, 143 or 130
-    if trial.code not in LAUNCHER_CODES and trial.code not in (-2, -15):
+    if trial.code not in LAUNCHER_CODES and trial.code not in (-2, -15) and not (trial.what == "KILL launcher"
+                                                                                and trial.code == -9):
         trial.problems.append(f"launcher exit {trial.code}")
     if before_start and "KeyboardInterrupt" in text:
         text = ""
-    killed = trial.what.startswith("KILL") and trial.sent == "sent"
+    killed = trial.what.startswith("KILL rank") and trial.sent == "sent"  # (a launcher's ranks stop as preempted)
     if record is not None:
         trial.state = record["state"] if record["state"] != "failed" else f"failed {record.get('exit_code')}"
         if not (record["state"] in END_STATES or (record["state"] == "failed" and record.get("exit_code") in (130, 5))

@@ -90,6 +90,31 @@ def test_sigterm_to_the_launcher_alone_keeps_every_step_in_the_wandb_offline_run
     assert_clean_end(result, output)
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_launcher_killed_stops_its_run_as_a_preemption(tmp_path, processes):
+    """`kill -9` to `accelerate launch` (or the OOM killer choosing it): its ranks get a SIGTERM as it ends
+    (PR_SET_PDEATHSIG) and stop as at a preemption: the step checkpointed, status.json `preempted`, nothing left, and
+    `--resume auto` finishes. Before, one process trained on until its first write into the dead launcher's stderr
+    pipe failed it ('[Errno 32] Broken pipe', status failed, no checkpoint of that step); two ranks trained on
+    unwatched to their end."""
+    result, output = launch_with_fault(tmp_path, processes, "signal_launcher", step=5, max_steps=40,
+                                       signal_name="KILL")
+    assert result.returncode == -9, result.stderr[-3000:]
+    record = read_status(output)
+    assert (record["state"], record["exit_code"]) == ("preempted", 75), record
+    assert record["reason"] == "SIGTERM at the end of its launcher (preemption)" and record["step"] < 40, record
+    assert (output / "checkpoints" / f"step_{record['step']:08d}").is_dir()
+    if processes > 1:  # the ranks write to the launcher's own stdout and stderr, where the user reads
+        assert last_lines(result.stderr)[-1] == (f"stopped at step {record['step']} by SIGTERM at the end of its "
+                                                 "launcher (preemption); checkpoint saved, continue with --resume auto")
+    assert_clean_end(result, output)
+    resumed = launch("cpu_ddp.yaml" if processes > 1 else "cpu.yaml", LM, *LM_ARGS[:-2], "--tracker", "none",
+                     "--data_path", str(tmp_path / "corpus.txt"), "--max_steps", "40", "--output_dir", str(output),
+                     "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_status(output)["state"] == "finished"
+
+
 def test_a_launch_past_its_timeout_fails_with_the_stacks_of_its_processes_and_leaves_none(tmp_path):
     """The suite tells a hang from slowness: a run that passes its timeout fails its test with every process's stacks
     (py-spy where installed, else the templates' faulthandler on SIGUSR2), and all of them are killed."""
