@@ -197,6 +197,19 @@ def _out_of_memory(error: BaseException) -> str | None:
     return f" allocating {int(amount) / 2**30:,.1f} GiB" if unit == "bytes" else f" allocating {amount} {unit}"
 
 
+def _stopped(stop: KeyboardInterrupt, interrupted: str) -> None:
+    """Ctrl-C (exit 130 and its line), or a stop signal before the session's first step (StoppedBeforeTraining)."""
+    if not isinstance(stop, StoppedBeforeTraining):
+        _report("interrupted by Ctrl-C" + (f"; {interrupted}" if interrupted else ""), EXIT_INTERRUPTED)
+    if _stop_hook is not None:
+        _stop_hook(stop.state, stop.reason)
+    _close_progress_bars()
+    if is_first_local_process():
+        print(f"stopped before its first step by {stop.reason}; nothing new to save, continue with --resume auto",
+              file=sys.stderr if stop.exit_code else sys.stdout, flush=True)
+    sys.exit(stop.exit_code)
+
+
 def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Callable[[], None] | None = None) -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code. UsageError or
     running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine, as every
@@ -238,17 +251,11 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
                 raise
             where = f" writing {error.filename}" if error.filename else ""
             _report(f"disk full{where} ({error.strerror}); the checkpoints saved before are intact", EXIT_SAVE_FAILED)
-        except StoppedBeforeTraining as stop:
-            if _stop_hook is not None:
-                _stop_hook(stop.state, stop.reason)
-            _close_progress_bars()
-            if is_first_local_process():
-                print(f"stopped before its first step by {stop.reason}; nothing new to save, "
-                      "continue with --resume auto", file=sys.stderr if stop.exit_code else sys.stdout, flush=True)
-            sys.exit(stop.exit_code)
-        except KeyboardInterrupt:
-            _report("interrupted by Ctrl-C" + (f"; {interrupted}" if interrupted else ""), EXIT_INTERRUPTED)
+        except KeyboardInterrupt as stop:
+            _stopped(stop, interrupted)
         except (MemoryError, RuntimeError) as error:
+            if isinstance(error.__cause__, KeyboardInterrupt):  # Python 3.11 wraps one that strikes as a class is
+                _stopped(error.__cause__, interrupted)  # made (an import's dataclass: "Error calling __set_name__")
             if (memory := _out_of_memory(error)) is not None:
                 _report(f"out of memory{memory}: lower --batch_size or the model's size", EXIT_USAGE)
             if not is_rank_lost(error):

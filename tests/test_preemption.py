@@ -110,6 +110,23 @@ def test_end_run_records_how_the_run_ended_and_why_from_the_agreed_stop(run, tmp
     assert (printed.err if exit_code else printed.out).strip() == line  # requeued: on stderr, shown by the launcher
 
 
+def test_a_ctrl_c_that_strikes_while_a_class_is_made_is_still_a_ctrl_c(capsys):
+    """Found by scripts/stress_signals.py: a Ctrl-C passed on to a rank as its first checkpoint imported
+    torch.distributed.checkpoint struck in a dataclass's creation, which Python 3.11 wraps in a RuntimeError ("Error
+    calling __set_name__ ..."): status.json said failed, exit 1, with a traceback, instead of the Ctrl-C line."""
+    class Field:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt  # where SIGINT's handler raised it
+
+    def main():
+        type("Made", (), {"field": Field()})  # a class made, as a dataclass is while a module is imported
+
+    with pytest.raises(SystemExit) as exited:
+        with_exit_codes(main, interrupted="continue with --resume auto")()
+    assert exited.value.code == 130
+    assert capsys.readouterr().err.strip() == "error: interrupted by Ctrl-C; continue with --resume auto"
+
+
 def test_a_ctrl_c_while_the_process_group_is_freed_does_not_fail_a_finished_run():
     """Found by scripts/stress_signals.py: a Ctrl-C passed on by torchrun's agent as a rank freed its process group
     after main() had returned ended that finished run in a KeyboardInterrupt traceback."""
