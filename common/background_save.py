@@ -40,12 +40,15 @@ _ACCELERATOR_PRIVATE = ("_models", "_optimizers", "_schedulers", "_save_model_st
 class BackgroundSave:
     """One checkpoint being written by a thread; `finish()` joins it and raises what went wrong there."""
 
-    def __init__(self, names: list[str], write, args: tuple):
+    def __init__(self, names: list[str], write, args: tuple, hold: list | None = None):
         self.names = names
         self.error: BaseException | None = None  # set when the write ended in an error
         self.failed_somewhere = False  # set at a step's check when the write failed on any rank
         self._thread = threading.Thread(target=self._run, args=(write, *args), name=WRITER_THREAD)
         self._thread.start()
+        # Optimizers whose parameters and state it writes in place (Snapshot.in_place): their next step waits for it
+        self._holds = [getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(
+            lambda *_: self._thread.join()) for optimizer in hold or []]
 
     def _run(self, write, *args) -> None:
         try:
@@ -55,6 +58,8 @@ class BackgroundSave:
 
     def finish(self, raise_error: bool = True) -> None:
         self._thread.join()
+        for handle in self._holds:
+            handle.remove()
         error, self.error = self.error, None
         if error is not None and raise_error:
             raise error
@@ -104,10 +109,16 @@ def writer_group(accelerator: Accelerator, timeout_s: float):
     return None
 
 
+IN_HOST_MEMORY = ("cpu",)  # devices whose training state is in host memory already: a copy there would double it
+
+
 def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, copy: bool = True) -> Snapshot:
     """What accelerate's save_state would write into `folder` on this rank, copied to host memory now (the part of a
     background save at the step), for a run `cannot_mirror` accepts. `copy` False (nothing trains after this save):
-    the state dicts as they are, `host_copy`'s buffers let go: one copy of the state in host memory, not two."""
+    the state dicts as they are, `host_copy`'s buffers let go: one copy of the state in host memory, not two. On a
+    device IN_HOST_MEMORY (without FSDP) the parameters and optimizer state are written as they are too, and the
+    next optimizer step waits for the write (`Snapshot.in_place`); the rest (buffers, which forward may change:
+    batch norm's statistics) is copied."""
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -149,6 +160,14 @@ def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, 
     if not copy:
         host_copy.buffers.clear()
         return Snapshot(files, sharded)
+    if accelerator.device.type in IN_HOST_MEMORY and plugin is None:
+        host_copy.buffers.clear()
+        parameters = {p.data_ptr() for model in accelerator._models for p in model.parameters()}
+        in_place = [(name, kind, {key: tensor if tensor.data_ptr() in parameters else tensor.clone()
+                                  for key, tensor in obj.items()} if kind == "safetensors" else obj)
+                    for name, kind, obj in files if kind == "safetensors" or name.startswith(OPTIMIZER_NAME)]
+        rest = [file for file in files if file[1] != "safetensors" and not file[0].startswith(OPTIMIZER_NAME)]
+        return Snapshot(in_place + host_copy.snapshot(rest, []).files, [], in_place=True)
     return host_copy.snapshot(files, sharded)
 
 
@@ -190,6 +209,7 @@ class Snapshot:
 
     files: list[tuple[str, str, object]]
     sharded: list[tuple[str, str, dict]]
+    in_place: bool = False  # the live parameters and optimizer state, not copies: no optimizer step until written
 
     def write(self, folder: Path, group) -> None:
         import torch.distributed.checkpoint as dcp

@@ -10,7 +10,8 @@ Layout of `<output_dir>`:
 A folder with a final name is always complete: written under `.tmp-` by all ranks, renamed by the main process
 once every rank finished and `progress.json` is synced. A save that fails on any rank fails on every rank
 (SaveError) and publishes nothing; a deletion removes `progress.json` first. In the background (the default) the
-state is copied to host memory at the step and a thread writes and publishes it (`common.background_save`); a
+state is copied to host memory at the step (on the CPU: the next optimizer step waits for the write instead) and a
+thread writes and publishes it (`common.background_save`); a
 write that failed on any rank ends the run at the next step on every rank. A checkpoint whose pickles could run
 code is refused before it loads (`common.pickle_allowlist`).
 """
@@ -274,7 +275,8 @@ class CheckpointManager:
             self._write(names, meta, None, None)
             return
         snapshot = snapshot_state(self.accelerator, self.dir / f".tmp-{names[0]}", self._host_copy, still_training)
-        self._pending = BackgroundSave(names, self._write, (names, meta, snapshot, self._group))
+        self._pending = BackgroundSave(names, self._write, (names, meta, snapshot, self._group),
+                                       hold=self.accelerator._optimizers if snapshot.in_place else None)
 
     def _write(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
         """Write the state under each of `names` on every rank, then keep the newest `keep_last` periodic checkpoints

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import common.background_save as background_save
 import common.checkpoint as checkpoint_module
 from common.accelerator import build_accelerator
 from common.checkpoint import (
@@ -1032,17 +1034,33 @@ def test_an_accelerate_without_what_background_saves_mirror_starts_and_saves_at_
                      "has no accelerate.utils.fsdp_utils._unwrap_optimizer") == 1, out
 
 
-def test_a_save_after_which_nothing_trains_holds_no_second_copy_in_host_memory(tmp_path, fresh_accelerate,
-                                                                               monkeypatch):
-    """Mid-run, a background save copies the state (training changes it meanwhile); at the run's last step it writes
-    the model's and optimizer's own tensors and lets go of the copy kept from the save before: one copy of weights
-    and optimizer state in host memory, not two. The files are still those save_state writes, and resume exactly."""
+class TinyWithBatchNorm(Tiny):
+    def __init__(self, width: int = 8):
+        super().__init__(width)
+        self.net.insert(1, torch.nn.BatchNorm1d(width))  # buffers that forward changes: copied at the save
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu, batch norm", "as on a gpu"])
+def test_a_background_save_holds_no_second_copy_in_host_memory_where_it_can(tmp_path, fresh_accelerate, monkeypatch,
+                                                                            device):
+    """At the run's last step a background save writes the model's and optimizer's own tensors and lets go of any
+    copy kept from a save before. Mid-run it copies them to host memory (training changes them meanwhile), except on
+    a device whose state is in host memory already (the CPU): there it writes the parameters and optimizer state as
+    they are, and the next optimizer step waits for the write. Either way: one copy of weights and optimizer state
+    in host memory where it can be, the files those save_state writes at the save, and an exact resume."""
+    if device == "as on a gpu":
+        monkeypatch.setattr(background_save, "IN_HOST_MEMORY", ())  # the copy a GPU's state needs
+    if device == "cpu, batch norm":
+        monkeypatch.setitem(globals(), "Tiny", TinyWithBatchNorm)
     job = setup(tmp_path / "run", background=True, max_steps=4)
     job.ckpt.resume("none")
     snapshots = []
     real_snapshot = checkpoint_module.snapshot_state
     monkeypatch.setattr(checkpoint_module, "snapshot_state",
                         lambda *args: snapshots.append(real_snapshot(*args)) or snapshots[-1])
+    real_write = background_save.Snapshot.write
+    monkeypatch.setattr(background_save.Snapshot, "write",  # a slow disk: training goes on meanwhile
+                        lambda self, *args: time.sleep(0.5) or real_write(self, *args))
     live = {tensor.data_ptr() for tensor in job.model.state_dict().values()}
 
     def shared(snapshot) -> int:  # tensors of the snapshot's weights file that are the model's own
@@ -1051,11 +1069,17 @@ def test_a_save_after_which_nothing_trains_holds_no_second_copy_in_host_memory(t
 
     train(job, 2)
     job.ckpt.save(TrainingState(step=2))
+    job.accelerator.save_state(str(tmp_path / "at_step_2"))  # no random draw between the two: same RNG states
+    train(job, 2)  # its first optimizer step changes the state the save writes
     job.ckpt.wait()
-    assert shared(snapshots[0]) == 0 and job.ckpt._host_copy.buffers  # a copy, kept for the next save
-    train(job, 2)
+    assert files_of(job.ckpt.dir / "step_00000002") == files_of(tmp_path / "at_step_2")
+    if device.startswith("cpu"):
+        parameters = len(list(job.model.parameters()))
+        assert shared(snapshots[0]) == parameters and not job.ckpt._host_copy.buffers.get("model.safetensors")
+    else:
+        assert shared(snapshots[0]) == 0 and job.ckpt._host_copy.buffers  # a copy, kept for the next save
     job.ckpt.save(TrainingState(step=4))
-    job.accelerator.save_state(str(tmp_path / "save_state"))  # no random draw between the two: same RNG states
+    job.accelerator.save_state(str(tmp_path / "save_state"))
     job.ckpt.wait()
     assert shared(snapshots[1]) == len(live) and not job.ckpt._host_copy.buffers
     assert files_of(job.ckpt.dir / "step_00000004") == files_of(tmp_path / "save_state")
