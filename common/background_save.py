@@ -1,10 +1,8 @@
 """Background checkpoint writes: what `accelerator.save_state` would write, copied to host memory at the step and
 written by a thread while training goes on. Mirrors accelerate 1.16's `Accelerator.save_state` and the RNG file of
-`checkpointing.save_accelerator_state`, file by file (pinned byte for byte by tests/test_checkpoint.py), so
-`load_state` reads either kind. Re-read it on an accelerate or torch upgrade: it uses private attributes and
-functions of both, imported where used, so on a release without one `cannot_mirror` names it and the run saves at
-the step instead.
-"""
+`checkpointing.save_accelerator_state`, file by file (pinned byte for byte by tests/test_checkpoint.py), so `load_state`
+reads either kind. Re-read it on an accelerate or torch upgrade: it uses private attributes and functions of both,
+imported where used, so on a release without one `cannot_mirror` names it and the run saves at the step instead."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ class BackgroundSave:
 
 
 def finish_background_saves() -> None:
-    """Let every checkpoint write in flight on this process end (before the process group is freed: it runs
-    collectives on a group of its own)."""
+    """Join the checkpoint writes in flight in this process (before freeing the process group: they run collectives)."""
     for thread in threading.enumerate():
         if thread.name == WRITER_THREAD:
             thread.join()
