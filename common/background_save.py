@@ -140,7 +140,6 @@ def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, 
             files.append((_indexed(f"{SCHEDULER_NAME}.bin", i), "torch", scheduler.state_dict()))
         if accelerator.scaler is not None:
             files.append((SCALER_NAME, "torch", accelerator.scaler.state_dict()))
-    # taken fresh: nothing to copy
     files.append((f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl", "rng", _rng_states(accelerator.step)))
     accelerator.project_configuration.iteration += 1  # as save_state counts its saves
     if not copy:
@@ -214,7 +213,7 @@ class HostCopy:
 
     def snapshot(self, files: list[tuple[str, str, object]], sharded: list[tuple[str, str, dict]]) -> Snapshot:
         copied = [(name, kind, self._copy(name, obj) if isinstance(obj, dict) and kind != "rng" else obj)
-                  for name, kind, obj in files]
+                  for name, kind, obj in files]  # the RNG states are taken fresh: nothing to copy
         shards = [(folder, key, self._copy(folder, state_dict)) for folder, key, state_dict in sharded]
         if self.pin_memory:
             torch.cuda.synchronize()  # the copies ran without blocking; they are complete from here on

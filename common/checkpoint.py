@@ -54,8 +54,7 @@ class TrainingState:
     best_metric: float | None = None
     best_step: int | None = None
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
-    # The log interval in progress (loss sum and micro-batch count, or target-token count for a token-weighted
-    # loss; on the device until logged or saved), so the first loss logged after a resume is an uninterrupted run's.
+    # The log interval in progress (on the device until logged or saved), so a resume logs an uninterrupted run's loss
     interval_loss_sum: float | torch.Tensor = 0.0
     interval_batches: int = 0
     interval_targets: float | torch.Tensor = 0.0  # target tokens (the fine-tuning template's token-weighted loss)
@@ -203,9 +202,8 @@ class CheckpointManager:
         return self.dir / periodic
 
     def save_if_due(self, state: TrainingState) -> Path | None:
-        """The periodic policy, called after every optimizer step: a checkpoint every `every_steps` steps (0: only
-        where the template calls `save`). A background save that failed on any rank raises its SaveError here, at
-        the same step on every rank (agreed in `PreemptionWatcher.check_step`)."""
+        """The periodic policy, after every optimizer step: a checkpoint every `every_steps` steps (0: only
+        where the template calls `save`); a background save that failed on any rank raises here, on every rank."""
         if self._pending is not None and self._pending.failed_somewhere:
             self.wait()
         return self.save(state) if self.every_steps and state.step % self.every_steps == 0 else None

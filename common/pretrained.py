@@ -134,10 +134,9 @@ def load_once_per_machine(accelerator: Accelerator, pretrained: Callable[[], tor
 
 
 def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: Accelerator) -> None:
-    """FSDP2 on a meta model (buffers real): one unit per layer class of the launch config plus the root, local
-    shards allocated, then filled by broadcast from rank 0's `full_state` (the others pass {}); `accelerator.prepare`
-    takes the sharded model as it is. Not accelerate's cpu_ram_efficient_loading, which keeps each received full
-    tensor alive behind its shard (bench/finetune_loading.py)."""
+    """FSDP2 on a meta model (buffers real): a unit per layer class of the launch config and the root, local shards
+    filled by broadcast from rank 0's `full_state` (others pass {}), ready for `accelerator.prepare`. Not accelerate's
+    cpu_ram_efficient_loading, which keeps each full tensor it receives alive (bench/finetune_loading.py)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -66,10 +66,9 @@ def sweep_run_dir(output_dir: str) -> str:
 class Tracker:
     """Log metrics once, from the main process, to `metrics.jsonl` (always: the local search runner reads it, and it
     needs no account; on resume, lines after the resumed step are dropped) and to the trackers `kind` names. Those are
-    accelerate's tracker classes, built as `Accelerator.init_trackers` builds them (each run kept in the output folder,
-    resumed after a restart) and handed to the Accelerator (`accelerator.get_tracker(name)`), but started, logged to and
-    finished here: the run ids and resumed step are known only after the Accelerator is built, and W&B's end needs the
-    exit code and a preemption mark, which `end_training` cannot pass."""
+    accelerate's tracker classes, built as `Accelerator.init_trackers` builds them and handed to the Accelerator
+    (`accelerator.get_tracker(name)`), but started, logged to and finished here: the run ids and resumed step are known
+    only after the Accelerator is built, and `end_training` cannot give W&B the exit code and a preemption mark."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, kind: str, project: str,
                  config: dict, resume_step: int = 0):
@@ -369,9 +368,8 @@ def not_a_lost_service_write(record: logging.LogRecord) -> bool:
 
 
 def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:
-    """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step`, as metrics.jsonl
-    and TensorBoard's purge do (the resumed session logs them again), by editing its table, as neither has a call
-    for it; a store without that table or column is left as it is."""
+    """Delete a run's values after `step` (a resume logs them again) from a local SQLite store (MLflow's, trackio's)
+    by editing its table, as neither has a call for it; a store without that table or column is left alone."""
     import sqlite3
 
     if not database.is_file():
