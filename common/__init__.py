@@ -11,10 +11,9 @@ OURS = Path(__file__).resolve().parent
 
 
 def hand_back(theirs: dict[str, ModuleType], imported: bool) -> None:
-    """After a template imported its modules: give the name `common` back to the program that imported the
-    template, when that program has a `common` of its own (set aside as `theirs` while ours was imported, or the
-    first one on its path). The template keeps what it imported; a later `import common` is theirs. Nothing to hand
-    back for a template run as a program (`imported` false)."""
+    """After a template imported its modules: give the name `common` back to the program that imported the template,
+    when that program has a `common` of its own (set aside as `theirs` while ours was imported, or the first one on its
+    path); the template keeps what it imported. Nothing to do for a template run as a program (`imported` false)."""
     if not imported:
         return
     sys.path.remove(str(OURS.parent))  # the entry the template put first; the program's own entries stay

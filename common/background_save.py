@@ -1,10 +1,8 @@
 """Background checkpoint writes: what `accelerator.save_state` would write, copied to host memory at the step and
 written by a thread while training goes on. Mirrors accelerate 1.16's `Accelerator.save_state` and the RNG file of
-`checkpointing.save_accelerator_state`, file by file (pinned byte for byte by tests/test_checkpoint.py), so
-`load_state` reads either kind. Re-read it on an accelerate or torch upgrade: it uses private attributes and
-functions of both, imported where used, so on a release without one `cannot_mirror` names it and the run saves at
-the step instead.
-"""
+`checkpointing.save_accelerator_state`, file by file (pinned byte for byte by tests/test_checkpoint.py), so `load_state`
+reads either kind. Re-read it on an accelerate or torch upgrade: it uses private attributes and functions of both,
+imported where used, so on a release without one `cannot_mirror` names it and the run saves at the step instead."""
 
 from __future__ import annotations
 
@@ -66,8 +64,7 @@ class BackgroundSave:
 
 
 def finish_background_saves() -> None:
-    """Let every checkpoint write in flight on this process end (before the process group is freed: it runs
-    collectives on a group of its own)."""
+    """Join the checkpoint writes in flight in this process (before freeing the process group: they run collectives)."""
     for thread in threading.enumerate():
         if thread.name == WRITER_THREAD:
             thread.join()
@@ -154,7 +151,6 @@ def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, 
             files.append((_indexed(f"{SCHEDULER_NAME}.bin", i), "torch", scheduler.state_dict()))
         if accelerator.scaler is not None:
             files.append((SCALER_NAME, "torch", accelerator.scaler.state_dict()))
-    # taken fresh: nothing to copy
     files.append((f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl", "rng", _rng_states(accelerator.step)))
     accelerator.project_configuration.iteration += 1  # as save_state counts its saves
     if not copy:
@@ -237,7 +233,7 @@ class HostCopy:
 
     def snapshot(self, files: list[tuple[str, str, object]], sharded: list[tuple[str, str, dict]]) -> Snapshot:
         copied = [(name, kind, self._copy(name, obj) if isinstance(obj, dict) and kind != "rng" else obj)
-                  for name, kind, obj in files]
+                  for name, kind, obj in files]  # the RNG states are taken fresh: nothing to copy
         shards = [(folder, key, self._copy(folder, state_dict)) for folder, key, state_dict in sharded]
         if self.pin_memory:
             torch.cuda.synchronize()  # the copies ran without blocking; they are complete from here on

@@ -7,14 +7,11 @@ Layout of `<output_dir>`:
     checkpoints/.tmp-*            a save in progress, or one a crash interrupted (never resumed from)
     model.safetensors             the final export (`common.export`): plain weights, loadable without accelerate
 
-A folder with a final name is always complete: written under `.tmp-` by all ranks, renamed by the main process
-once every rank finished and `progress.json` is synced. A save that fails on any rank fails on every rank
-(SaveError) and publishes nothing; a deletion removes `progress.json` first. In the background (the default) the
-state is copied to host memory at the step (on the CPU: the next optimizer step waits for the write instead) and a
-thread writes and publishes it (`common.background_save`); a
-write that failed on any rank ends the run at the next step on every rank. A checkpoint whose pickles could run
-code is refused before it loads (`common.pickle_allowlist`).
-"""
+A folder with a final name is always complete: written under `.tmp-` by all ranks, renamed by the main process once
+every rank finished and `progress.json` is synced. A save that fails on any rank fails on every rank (SaveError) and
+publishes nothing; a deletion removes `progress.json` first. Saved in the background (the default:
+`common.background_save`), a write that failed on any rank ends the run at the next step on every rank. A checkpoint
+whose pickles could run code is refused before it loads (`common.pickle_allowlist`)."""
 
 from __future__ import annotations
 
@@ -53,17 +50,15 @@ class TrainingState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # the epoch in progress (or the next one when batches_in_epoch == 0)
-    batches_in_epoch: int = 0  # micro-batches of `epoch` already trained on
+    batches_in_epoch: int = 0  # micro-batches of `epoch` already trained on (a resume skips them)
     best_metric: float | None = None
     best_step: int | None = None
     skipped_steps: int = 0  # optimizer steps the fp16 loss scaler skipped (inf/NaN gradients), over all sessions
-    # The log interval in progress (loss sum and micro-batch count, or target-token count for a token-weighted
-    # loss; on the device until logged or saved), so the first loss logged after a resume is an uninterrupted run's.
+    # The log interval in progress (on the device until logged or saved), so a resume logs an uninterrupted run's loss
     interval_loss_sum: float | torch.Tensor = 0.0
     interval_batches: int = 0
     interval_targets: float | torch.Tensor = 0.0  # target tokens (the fine-tuning template's token-weighted loss)
 
-    # The loop's bookkeeping, which exact resume depends on: a resume skips `batches_in_epoch` batches of `epoch`.
     def count_micro_batch(self, batches_per_epoch: int, loss: torch.Tensor | None = None) -> None:
         """One more micro-batch of `epoch` trained on (after its last, the next epoch starts). `loss` (the micro-batch's
         mean) joins the log interval, detached (no graph kept) and on the device (nothing waits for the GPU)."""
@@ -136,15 +131,13 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- resume
     def resume(self, resume: str) -> TrainingState:
-        """Restore the state named by `resume` ("auto", "none", a checkpoint or a run folder: `checkpoint_to_resume`)
-        and return the state; a fresh one where there is nothing to resume."""
+        """The state `resume` names (`checkpoint_to_resume`), restored; a fresh one where there is nothing to resume."""
         self._check_run_file()
         # Each rank its own streams for dropout and augmentation from here on; a resume restores the checkpoint's.
         set_seed(self.seed, device_specific=True)
         for leftover in sorted(self.dir.glob(".tmp-*")) if self.dir.is_dir() else []:
             self.accelerator.print(f"ignoring incomplete checkpoint {leftover} (its save was interrupted)")
-        # Every rank loads the main process's choice, whatever its own view of the folder.
-        chosen = from_main_process(checkpoint_to_resume(resume, self.dir))
+        chosen = from_main_process(checkpoint_to_resume(resume, self.dir))  # whatever each rank sees of the folder
         state = TrainingState() if chosen is None else self.load(chosen)
         self._write_run_file()  # only now: a refused checkpoint leaves the folder as it was
         return state
@@ -182,8 +175,7 @@ class CheckpointManager:
         return state
 
     def _extend(self, step: int, before: int, after: int) -> None:
-        """The run trains longer than its checkpoint's settings said: from `step` on, the learning rate follows the
-        new length's schedule (the steps before stay the old run's)."""
+        """A run longer than its checkpoint's settings: from `step` on, the learning rate follows the new schedule."""
         changes = follow_new_schedule(self.accelerator._schedulers)
         steps = (f" ({self.total_steps * before // after} to {self.total_steps} optimizer steps)"
                  if self.total_steps else "")
@@ -210,9 +202,8 @@ class CheckpointManager:
         return self.dir / periodic
 
     def save_if_due(self, state: TrainingState) -> Path | None:
-        """The periodic policy, called after every optimizer step: a checkpoint every `every_steps` steps (0: only
-        where the template calls `save`). A background save that failed on any rank raises its SaveError here, at
-        the same step on every rank (agreed in `PreemptionWatcher.check_step`)."""
+        """The periodic policy, after every optimizer step: a checkpoint every `every_steps` steps (0: only
+        where the template calls `save`); a background save that failed on any rank raises here, on every rank."""
         if self._pending is not None and self._pending.failed_somewhere:
             self.wait()
         return self.save(state) if self.every_steps and state.step % self.every_steps == 0 else None
@@ -266,8 +257,7 @@ class CheckpointManager:
         """Save `state` under `names` (the first is written, the others share its files), now or in the background."""
         self.wait()  # one save at a time; a failure of the previous one ends the run here
         meta = state.record() | {"template": self.template, "world_size": self.accelerator.num_processes,
-                                 "metric": self.metric, "mode": self.mode,
-                                 "config": self.config}  # what the resume compares its own settings with
+                                 "metric": self.metric, "mode": self.mode, "config": self.config}  # what `load` checks
         if self.background and (unsupported := cannot_mirror(self.accelerator)):
             self.accelerator.print(f"checkpoints are written at the step, not in the background: {unsupported}")
             self.background = False  # said once: from here on this run saves at the step
@@ -279,16 +269,15 @@ class CheckpointManager:
                                        hold=self.accelerator._optimizers if snapshot.in_place else None)
 
     def _write(self, names: list[str], meta: dict, snapshot: Snapshot | None, group) -> None:
-        """Write the state under each of `names` on every rank, then keep the newest `keep_last` periodic checkpoints
-        and the best. Each name goes through three phases (public: the tests hook them), `start_folder`,
-        `write_state` and `publish`, each ending with every rank learning whether any failed, so a failure on one
-        rank ends the save on all at once instead of at --timeout_s."""
+        """Write the state under each of `names` on every rank, then drop old checkpoints. Each name passes
+        three phases (public: the tests hook them), `start_folder`, `write_state` and `publish`, each ending with every
+        rank learning whether any failed: a failure on one rank ends the save on all at once, not at --timeout_s."""
         from torch.distributed.checkpoint.api import CheckpointException  # what FSDP's sharded save raises
 
         main = self.accelerator.is_main_process
         for i, name in enumerate(names):
             final, tmp = self.dir / name, self.dir / f".tmp-{name}"
-            # Decided on the main process and shared, so all ranks agree on whether to write the state.
+            # A twin (this step saved already under the other kind: same bytes), found by the main process for all ranks
             twin = from_main_process(_checkpoint_of_same_step(self.dir, meta["step"], exclude=name) if main else None,
                                      group)
             phases = ((main, self.start_folder, (tmp, twin)),  # a twin's files are linked, not written again
@@ -328,12 +317,10 @@ class CheckpointManager:
         for stale in self.dir.glob(".tmp-*"):
             shutil.rmtree(stale)  # left by a crashed save; never a valid checkpoint
         if twin is not None:
-            # Same step already saved under the other kind: same bytes, so link instead of rewriting.
             shutil.copytree(twin, tmp, copy_function=os.link, ignore=shutil.ignore_patterns(PROGRESS_FILE))
 
     def write_state(self, folder: Path, snapshot: Snapshot | None, group) -> None:
-        """Every rank writes its part (model and optimizer shards, its RNG state): accelerate's save_state at the
-        step, or the files of a snapshot it took (the same files)."""
+        """Every rank writes its part (shards, its RNG state): accelerate's save_state now, or a snapshot's files."""
         if snapshot is None:
             self.accelerator.save_state(str(folder))
         else:
@@ -342,8 +329,7 @@ class CheckpointManager:
     def publish(self, tmp: Path, final: Path, meta: dict, twin: Path | None) -> None:
         """`progress.json` last, everything synced, then one rename: a folder with a final name is complete."""
         write_json(tmp / PROGRESS_FILE, meta)
-        # Linked files are the twin's, already synced when it was saved; their folders are new.
-        fsync_tree(tmp, files=twin is None)
+        fsync_tree(tmp, files=twin is None)  # a twin's linked files were synced when it was saved; not the folders
         if final.exists():
             _remove_checkpoint(final)
         os.replace(tmp, final)

@@ -11,8 +11,7 @@ Values from a person typing, `wandb agent` (Python `str()` of each sampled value
 Precedence: dataclass defaults < `--config` files (in the order given) < other options.
 
 Every number has a range, and strings with fixed values their choices (`option(default, help, range)`);
-`check_ranges` refuses anything else, `--help` shows each one, and code below the config trusts them.
-"""
+`check_ranges` refuses anything else, `--help` shows each one, and code below the config trusts them."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class ConfigError(UsageError):
     """A command-line option or config-file entry is wrong; the message is one line naming it."""
 
 
-# What --tracker takes: one or several of accelerate's trackers (comma-separated), or none. Each needs its package,
-# imported only by a run that chose it; the pip command names what to install where it is missing.
+# What --tracker takes (`tracker_names`); the packages of each (any one will do) and how to install them.
 TRACKERS = ("wandb", "tensorboard", "mlflow", "trackio", "none")
 TRACKER_PACKAGES = {"wandb": (("wandb",), "pip install wandb"),
                     "tensorboard": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
@@ -68,8 +66,7 @@ def option(default: Any, help: str, range: str | tuple | None = None, *, may_cha
 
 def may_change_on_resume(config_cls: type) -> frozenset[str]:
     """The options of `config_cls` a resume may change (declared `option(..., may_change=True)`); any other
-    difference means another run. A field declared again without `may_change` (for its own default) keeps the
-    policy of the nearest class before it that declares one."""
+    difference means another run. A field redeclared without `may_change` keeps the policy its nearest base declares."""
     allowed = set()
     for f in dataclasses.fields(config_cls):
         declared = (vars(cls).get("__dataclass_fields__", {}).get(f.name) for cls in config_cls.__mro__)
@@ -189,9 +186,8 @@ def config_to_dict(config: Any) -> dict:
 
 
 def check_ranges(config: Any) -> None:
-    """Refuse (ValueError) any value of `config` outside the range its field declares (`option`): a float whose
-    range has an `inf` end (never included) must be finite, NaN never passes. An int or float field without a
-    range is a template's mistake: TypeError."""
+    """Refuse (ValueError) a value of `config` outside its field's range (`option`): a float whose range has an
+    `inf` end (never included) must be finite, NaN never passes. An int or float field without a range: TypeError."""
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         tp, _ = _unwrap_optional(hints[f.name])
@@ -275,8 +271,7 @@ def format_help(config_cls: type) -> str:
 
 
 def _field_types(config_cls: type) -> dict[str, Any]:
-    # get_type_hints resolves string annotations, so `from __future__ import annotations` works.
-    hints = typing.get_type_hints(config_cls)
+    hints = typing.get_type_hints(config_cls)  # resolves string annotations (`from __future__ import annotations`)
     out = {}
     for f in dataclasses.fields(config_cls):
         if not f.init:
@@ -294,9 +289,7 @@ def _field_types(config_cls: type) -> dict[str, Any]:
 
 
 def _default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -341,9 +334,7 @@ def _split_argv(argv: list[str], field_types: dict[str, Any]) -> tuple[list[str]
         if name != "config" and name not in field_types:
             raise ConfigError(f"unknown option --{key}{_did_you_mean(name, [*field_types, 'config'], '--')}")
         if not has_value:
-            # Negative numbers start with a single dash, so only `--` marks the next option.
-            next_is_value = i < len(argv) and not argv[i].startswith("--")
-            if next_is_value:
+            if i < len(argv) and not argv[i].startswith("--"):  # -1 is a value: only `--` marks the next option
                 value = argv[i]
                 i += 1
             elif name != "config" and _unwrap_optional(field_types[name])[0] is bool:

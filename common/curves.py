@@ -1,7 +1,6 @@
 """The picture of a run: `<output_dir>/curves.png`, drawn from its metrics.jsonl at the end of every run and by
 scripts/plot_runs.py for several runs side by side. Only the standard library at import (matplotlib when it draws),
-so the plots are drawn on a machine without torch, accelerate or tqdm.
-"""
+so the plots are drawn on a machine without torch, accelerate or tqdm."""
 
 from __future__ import annotations
 

@@ -41,12 +41,11 @@ def seed_worker(worker_id: int) -> None:
 
 
 def ignore_stop_signals_from_others() -> None:
-    """In a loader worker: ignore SIGTERM and SIGUSR1 unless the training process sends SIGTERM; end with it. Launchers
-    and Slurm signal every process of a job; a worker killed by one would fail the training process before it can
-    checkpoint. A thread waits for them (there the sender's pid is known), exits for the parent's SIGTERM as torch's
-    worker handler does, and within a second once the parent is gone (torch's watchdog, reading the parent as its loop
-    starts, may watch pid 1 for good). Linux only. `worker_context()` forks workers with these signals blocked, so one
-    sent before this runs waits here."""
+    """In a loader worker: ignore SIGTERM and SIGUSR1 (launchers and Slurm signal every process of a job; a worker
+    killed by one would fail the training process before it can checkpoint), but end at the training process's SIGTERM,
+    as torch's worker handler does, and within a second once it is gone (torch's watchdog, reading the parent as its
+    loop starts, may watch pid 1 for good). A thread waits for them: there the sender's pid is known. Linux only.
+    `worker_context()` forks workers with these signals blocked, so one sent before this runs waits here."""
     if not hasattr(signal, "sigtimedwait"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started from here on inherit the mask
@@ -71,8 +70,7 @@ def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
 
 
 class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
-    """A loader worker forked with the stop signals blocked (it keeps the forking thread's mask), ending with its
-    training process."""
+    """A loader worker forked with stop signals blocked (as in the forking thread), ending with its training process."""
 
     def start(self) -> None:
         self._forked_by = os.getpid()

@@ -25,8 +25,7 @@ EXIT_SAVE_FAILED = 4  # a checkpoint or the export could not be written (e.g. di
 EXIT_RANK_LOST = 5  # another rank died or did not answer within --timeout_s; the last complete checkpoint is kept
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue and resume (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it; the checkpoints saved before are intact
-# How long a rank that does not print the error line waits before it exits (see _leave_the_line_to_local_rank_0).
-SILENT_RANK_GRACE_S = 15.0
+SILENT_RANK_GRACE_S = 15.0  # how long a rank that prints no error line waits to exit (_leave_the_line_to_local_rank_0)
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -272,12 +271,10 @@ END_STATES = {"finished": 0, "stopped": 0, "preempted": EXIT_PREEMPTED}
 
 
 class RunStatus:
-    """`<output_dir>/status.json`: how the run stands, for job scripts and search runners, since launchers do not
-    pass exit codes on (`accelerate launch` turns every failure into 1). Written atomically by the main process:
-    "running" once the run started (settings checked, checkpoint loaded), then "finished", "stopped"
-    (--stop_after_steps, or for good by a sweep agent), "preempted" (requeue it) or "failed" (exit code and error
-    line); "running" after the job ended means a crash. While running, `step` is where a resume would continue: the
-    start, then each complete checkpoint's (`checkpoints`). With RUN_STATUS_FILE set, it is also written there."""
+    """`<output_dir>/status.json` (and $RUN_STATUS_FILE where set): how the run stands, for job scripts and search
+    runners, as launchers do not pass exit codes on. Written atomically by the main process: "running" once the run
+    started, with the step a resume would continue from (the start, then each complete checkpoint's), then "finished",
+    "stopped", "preempted" or "failed" (README, "Errors and exit codes"); "running" after the job ended: a crash."""
 
     def __init__(self, accelerator, output_dir: str | os.PathLike, state, checkpoints=None):
         self.enabled = accelerator.is_main_process

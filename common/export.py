@@ -1,8 +1,7 @@
 """The final export: plain weights in one safetensors file that describes its model, or a Hugging Face model's
 `save_pretrained` folder (`export_pretrained`), published atomically (`publish_export`); and the durability helpers
 the checkpoints use too. Loading an export needs torch and safetensors only: this module imports nothing else at
-import (writing one takes the run's Accelerator as an argument), so it can be copied into an inference service.
-"""
+import (writing one takes the run's Accelerator as an argument), so it can be copied into an inference service."""
 
 from __future__ import annotations
 

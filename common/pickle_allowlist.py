@@ -1,8 +1,7 @@
 """Refuse a checkpoint whose pickles hold anything but plain data, before anything unpickles them, so a downloaded
 checkpoint cannot run code. accelerate and torch.distributed.checkpoint pickle `optimizer.bin`, `scheduler.bin`,
 `scaler.pt`, `random_states_<rank>.pkl` and, under FSDP, each sharded folder's `.metadata` and the non-tensor
-entries of its `.distcp` files; the weights themselves are safetensors.
-"""
+entries of its `.distcp` files; the weights themselves are safetensors."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Training a big pretrained model (the fine-tuning template's mechanism; which model, its dtype and the LoRA config
-stay in the template): its tokenizer and config checked before anything is written, loaded under FSDP2 with one full
-copy per machine, checkpoints of only the parameters that train (a LoRA adapter), and greedy answers to a few
-prompts while it trains."""
+"""Training a big pretrained model (the fine-tuning template's mechanism; the model, dtype and LoRA config stay in the
+template): its tokenizer and config checked before anything is written, loaded under FSDP2 with one full copy per
+machine, checkpoints of only the trained parameters (a LoRA adapter), and greedy answers to prompts while it trains."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def from_pretrained_call(name: str) -> str:
 
 
 def load_tokenizer_and_config(name: str):
-    """The tokenizer and config of --model (a Hub id, a folder or a .gguf file), refused in one line if missing or not
-    a causal LM."""
+    """The tokenizer and config of --model (a Hub id, folder or .gguf file), refused if missing or not a causal LM."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as transformers_logging
@@ -86,8 +84,7 @@ def load_pretrained(name: str, config, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def render_chat(tokenizer, messages: list[dict], end: int, add_generation_prompt: bool = False) -> str:
-    """messages[:end] through the tokenizer's chat template (text); a conversation it refuses is a UsageError that
-    names the first message refused."""
+    """messages[:end] through the tokenizer's chat template (text), or a UsageError naming the first one it refuses."""
     try:
         return tokenizer.apply_chat_template(messages[:end], tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
@@ -137,10 +134,9 @@ def load_once_per_machine(accelerator: Accelerator, pretrained: Callable[[], tor
 
 
 def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: Accelerator) -> None:
-    """FSDP2 on a meta model (buffers real): one unit per layer class of the launch config plus the root, local
-    shards allocated, then filled by broadcast from rank 0's `full_state` (the others pass {}); `accelerator.prepare`
-    takes the sharded model as it is. Not accelerate's cpu_ram_efficient_loading, which keeps each received full
-    tensor alive behind its shard (bench/finetune_loading.py)."""
+    """FSDP2 on a meta model (buffers real): a unit per layer class of the launch config and the root, local shards
+    filled by broadcast from rank 0's `full_state` (others pass {}), ready for `accelerator.prepare`. Not accelerate's
+    cpu_ram_efficient_loading, which keeps each full tensor it receives alive (bench/finetune_loading.py)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -167,8 +163,7 @@ def shard_and_broadcast(model: torch.nn.Module, full_state: dict, accelerator: A
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each layer's activations in backward (non-reentrant): newer transformers call it activation
-    checkpointing, and the old name warns there."""
+    """Recompute each layer's activations in backward (non-reentrant), by the new name where the old one warns."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -209,10 +204,9 @@ def target_token_losses(model: torch.nn.Module, labels: torch.Tensor, ignore_ind
     in fp32, without the [batch, seq, vocab] logits: summed (a scalar), or per token with the batch row of each.
 
     The model runs its own forward (DDP, FSDP2, autocast, LoRA as usual) with its output layer fed zero positions
-    (the last one at the first batch, to check the logits); the output layer is then applied to the hidden states of
-    the target positions only, `chunk` at a time, each chunk's fp32 logits dropped after its loss (recomputed in
-    backward, except the last chunk's). A model that returns other logits than its output layer made (a soft cap)
-    gets the whole logits from then on."""
+    (the last one at the first batch, to check the logits); the output layer is then applied to the hidden states of the
+    target positions only, `chunk` at a time, each chunk's fp32 logits dropped after its loss (recomputed in backward).
+    A model that returns other logits than its output layer made (a soft cap) gets the whole logits from then on."""
     targets = labels[:, 1:]
     rows, positions = (targets != ignore_index).nonzero(as_tuple=True)
     picked = targets[rows, positions]

@@ -66,10 +66,9 @@ def sweep_run_dir(output_dir: str) -> str:
 class Tracker:
     """Log metrics once, from the main process, to `metrics.jsonl` (always: the local search runner reads it, and it
     needs no account; on resume, lines after the resumed step are dropped) and to the trackers `kind` names. Those are
-    accelerate's tracker classes, built as `Accelerator.init_trackers` builds them (each run kept in the output folder,
-    resumed after a restart) and handed to the Accelerator (`accelerator.get_tracker(name)`), but started, logged to and
-    finished here: the run ids and resumed step are known only after the Accelerator is built, and W&B's end needs the
-    exit code and a preemption mark, which `end_training` cannot pass."""
+    accelerate's tracker classes, built as `Accelerator.init_trackers` builds them and handed to the Accelerator
+    (`accelerator.get_tracker(name)`), but started, logged to and finished here: the run ids and resumed step are known
+    only after the Accelerator is built, and `end_training` cannot give W&B the exit code and a preemption mark."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, *, kind: str, project: str,
                  config: dict, resume_step: int = 0):
@@ -103,10 +102,11 @@ class Tracker:
                    config=dataclasses.asdict(cfg), resume_step=resume_step)
 
     @staticmethod
-    def _on_this_process(tracker):
-        """An accelerate tracker that starts, logs and finishes where it is called: this Tracker is the main
+    def _started(tracker):
+        """accelerate's `tracker`, started, and set to log and finish wherever it is called: this Tracker is the main
         process's alone already, and accelerate's own check would build a PartialState where there is none."""
         tracker.main_process_only = False
+        tracker.start()
         return tracker
 
     def _start_wandb(self, project: str, config: dict, resume_step: int):
@@ -124,14 +124,12 @@ class Tracker:
             run_id_file.write_text(run_id + "\n")
             kwargs = {"id": run_id, "resume": "allow"}
         self.wandb_service_pid = start_wandb_service_apart()  # None: W&B starts it, as its child
-        # quiet: no history and summary at the end (metrics.jsonl has them), one sync hint (ours, in finish). The
-        # .wandb file is flushed every second (W&B: 15 s), should W&B's service end before the run finishes it.
-        # The configuration goes with wandb.init (store_init_configuration would update it after).
+        # quiet: no history and summary at the end (metrics.jsonl has them), one sync hint (ours, in finish); the .wandb
+        # file flushed every second (W&B: 15 s), should the service end first; the config goes in wandb.init, not after.
         try:
-            tracker = self._on_this_process(WandBTracker(
+            tracker = self._started(WandBTracker(
                 project, config=config, dir=str(self.output_dir), mode=mode,
                 settings=wandb.Settings(quiet=True, x_transaction_log_flush_interval=1.0), **kwargs))
-            tracker.start()
         finally:
             if self.wandb_service_pid:  # for this start only: a later run in this process gets a live one of its own
                 os.environ.pop("WANDB_SERVICE", None)
@@ -144,11 +142,8 @@ class Tracker:
     def _start_tensorboard(self, project: str, config: dict, resume_step: int):
         from accelerate.tracking import TensorBoardTracker
 
-        # Event files in <output_dir>/tensorboard; a resumed run's first event purges those after the resumed step,
-        # so readers see each step once, like metrics.jsonl.
-        tracker = self._on_this_process(TensorBoardTracker("tensorboard", str(self.output_dir),
-                                                           purge_step=resume_step + 1))
-        tracker.start()
+        # event files in <output_dir>/tensorboard, those after a resumed step purged (each step once, as metrics.jsonl)
+        tracker = self._started(TensorBoardTracker("tensorboard", str(self.output_dir), purge_step=resume_step + 1))
         if resume_step == 0:
             tracker.store_init_configuration(scalar_config(config))
         return tracker
@@ -170,10 +165,9 @@ class Tracker:
         if run_id is not None and local:
             for table in ("metrics", "latest_metrics"):
                 drop_steps_after(self.output_dir / MLFLOW_DB, table, "run_uuid", run_id, resume_step)
-        tracker = self._on_this_process(MLflowTracker(
+        tracker = self._started(MLflowTracker(
             experiment_name=project, logging_dir=str(self.output_dir.resolve() / "mlartifacts") if local else None,
             run_id=run_id, run_name=self.output_dir.name))
-        tracker.start()
         run_id_file.write_text(tracker.active_run.info.run_id + "\n")
         if run_id is None:  # MLflow refuses a parameter logged again with another value (an option a resume changed)
             tracker.store_init_configuration(scalar_config(config))
@@ -193,17 +187,14 @@ class Tracker:
         if Path(os.environ["TRACKIO_DIR"]) == local:
             for database in local.glob("*.db"):  # one a project
                 drop_steps_after(database, "metrics", "run_name", name, resume_step)
-        tracker = self._on_this_process(TrackioTracker(project, name=name, resume="allow", config=config))
-        tracker.start()
-        return tracker
+        return self._started(TrackioTracker(project, name=name, resume="allow", config=config))
 
     def _finish_at_exit(self) -> None:
         """A run that ended in an error or Ctrl-C: end the trackers' runs as failed with the run's exit code
         (status.json has it), quietly, so the run's own `error:` line stays the last one on stderr."""
         if self.trackers:
             status = read_status(self.output_dir) or {}
-            # and the rest of what asyncio may log about W&B's service on the way out (tasks it had pending)
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # and what asyncio logs of W&B's service at exit
             self.finish(exit_code=status.get("exit_code") or 1, quiet=True)
 
     @staticmethod
@@ -241,8 +232,7 @@ class Tracker:
             self.log(metrics, step)
 
     def log_samples(self, rows: list[dict[str, str]], step: int) -> None:
-        """Text a model wrote (one dict a sample, the same keys in each): `samples.jsonl` (main process), and a
-        W&B table where W&B is on."""
+        """Text a model wrote (a dict a sample, same keys in each) to `samples.jsonl` and, with W&B on, a W&B table."""
         if not self.enabled or not rows:
             return
         with self.samples_path.open("a") as handle:
@@ -344,11 +334,9 @@ class Tracker:
 
 
 def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
-    """Start W&B's service outside this process's tree, for wandb.init to connect to (through WANDB_SERVICE); its
-    pid, or None where W&B's internals differ (then W&B starts it as its child). `accelerate launch` answers a
-    Ctrl-C or SIGTERM by terminating every descendant of the training process at once: a child service would die
-    before the run ends its W&B run. Started by a shell that exits at once, in a session of its own, the service
-    still ends 5 s after its last client (this process) is gone."""
+    """Start W&B's service outside this process's tree, for wandb.init (through WANDB_SERVICE); its pid, or None
+    where W&B's internals differ (W&B then starts it as its child). `accelerate launch` ends every descendant of the
+    training process at once at a Ctrl-C or SIGTERM: a child service would die before the run ends its W&B run."""
     if os.environ.get("WANDB_SERVICE") or not hasattr(os, "fork"):
         return None  # a service of the parent's (`wandb agent`'s); or Windows, where no tree is terminated
     try:
@@ -358,7 +346,7 @@ def start_wandb_service_apart(timeout_s: float = 30.0) -> int | None:
 
         with tempfile.TemporaryDirectory() as folder:
             port_file = Path(folder) / "port"
-            # detached: it does not watch the parent it would have (the shell); it ends 5 s after its last client
+            # by a shell that exits at once (own session); detached: ends 5 s after its last client, not with the shell
             core = [get_core_path(), "--port-filename", str(port_file), "--detached", "--idle-timeout", "5s"]
             shell = subprocess.run(["sh", "-c", '"$@" </dev/null >/dev/null 2>&1 & echo $!', "sh", *core], check=True,
                                    start_new_session=True, timeout=timeout_s, capture_output=True, text=True)
@@ -380,9 +368,8 @@ def not_a_lost_service_write(record: logging.LogRecord) -> bool:
 
 
 def drop_steps_after(database: Path, table: str, run_column: str, run: str, step: int) -> None:
-    """Remove from a local SQLite store (MLflow's, trackio's) the values a run logged after `step`, as metrics.jsonl
-    and TensorBoard's purge do (the resumed session logs them again), by editing its table, as neither has a call
-    for it; a store without that table or column is left as it is."""
+    """Delete a run's values after `step` (a resume logs them again) from a local SQLite store (MLflow's, trackio's)
+    by editing its table, as neither has a call for it; a store without that table or column is left alone."""
     import sqlite3
 
     if not database.is_file():
