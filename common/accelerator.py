@@ -4,6 +4,7 @@ of the process group before Python shuts down."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import functools
@@ -41,8 +42,7 @@ if dist.is_available():
     # would otherwise hold the live group forever (DDP imports it lazily), never to be freed (release_process_group).
     import torch.distributed.nn.functional
 
-# The process group build_accelerator joined: held here so that release_process_group() drops the last reference.
-_GROUPS: list = []
+_GROUPS: list = []  # the process group build_accelerator joined: release_process_group() drops the last reference
 
 # accelerate asks at every step whether lomo_optim is installed, an uncached search; packages do not change mid-run
 for _module in (accelerate.optimizer, accelerate.accelerator):
@@ -103,10 +103,8 @@ _RANK = {None: 0, signal.SIGTERM: 1, signal.SIGUSR1: 2}
 
 
 def stop_with_the_launcher(launcher: int) -> None:
-    """Under `accelerate launch` or torchrun, on Linux: a SIGTERM to this process when its launcher ends, whatever
-    ends it (SIGKILL, the OOM killer): the run stops as at a preemption (checkpoint, status.json) instead of training
-    on unwatched until its first write into the launcher's pipe fails it ('Broken pipe'). Not for `python train.py`:
-    a shell that ends (nohup) does not stop it. Until PreemptionWatcher handles SIGTERM, it ends the process."""
+    """Under `accelerate launch` or torchrun (not `python train.py`, which a shell's end must not stop), on Linux: a
+    SIGTERM when the launcher ends, whatever ends it (kill -9, the OOM killer): the run stops as at a preemption."""
     if sys.platform.startswith("linux") and {"ACCELERATE_DYNAMO_BACKEND", "TORCHELASTIC_RUN_ID"} & os.environ.keys():
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != launcher:  # it ended before
@@ -114,16 +112,13 @@ def stop_with_the_launcher(launcher: int) -> None:
 
 
 def _silence_pipes_without_reader() -> None:
-    """stdout and stderr, where each is a pipe that no process reads any more: /dev/null from here on."""
+    """stdout and stderr, where each is a pipe no process reads any more (it polls POLLERR): /dev/null from here on."""
     for fd in (1, 2):
-        try:
+        with contextlib.suppress(OSError):
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                poller = select.poll()
-                poller.register(fd, select.POLLOUT)
-                if any(event & select.POLLERR for _, event in poller.poll(0)):  # (a pipe without reader)
+                (poller := select.poll()).register(fd, select.POLLOUT)
+                if any(event & select.POLLERR for _, event in poller.poll(0)):
                     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-        except OSError:
-            pass
 
 
 def under_sweep_agent() -> bool:
@@ -134,8 +129,7 @@ def under_sweep_agent() -> bool:
 class PreemptionWatcher:
     def __init__(self, accelerator: Accelerator, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
                  stop_after_steps: int = 0, launcher: int | None = None):
-        # Not the accelerator itself: the signal handlers keep this object alive to the end of the process, and
-        # through its model it would keep the process group from ever being freed (release_process_group).
+        # Not the accelerator: the handlers keep this alive, and its model would keep the process group from being freed
         self.num_processes = accelerator.num_processes
         self.device = accelerator.device
         self.received: int | None = None
@@ -203,17 +197,13 @@ class PreemptionWatcher:
     @property
     def requeue(self) -> bool:
         """Whether the run should come back (exit 75, and under a sweep W&B's requeue) rather than end for good."""
-        if self.received is None:
-            return False
-        return not (under_sweep_agent() and self.received == signal.SIGTERM)
+        return self.received is not None and not (under_sweep_agent() and self.received == signal.SIGTERM)
 
     def stop_reason(self) -> str:
         """Why the run stopped, for its last line."""
         if self.received is None:
             return "no stop signal"
-        name = signal.Signals(self.received).name
-        if self.launcher_gone:
-            name = f"{name} at the end of its launcher"
+        name = signal.Signals(self.received).name + " at the end of its launcher" * self.launcher_gone
         if self.requeue:
             return f"{name} (preemption)"
         return f"{name} from the W&B sweep agent (early termination or a stopped sweep: not requeued)"
@@ -221,12 +211,10 @@ class PreemptionWatcher:
 
 def end_run(accelerator: Accelerator, *, status, tracker, preemption: PreemptionWatcher, stopping: bool,
             reason: str | None = None) -> None:
-    """What every run does last: record how it ended (status.json, W&B), close the process group, say why it
-    stopped, and exit 75 when it must come back (preempted, not stopped for good by a sweep agent). `stopping`: the
-    loop stopped for a stop signal or --stop_after_steps and saved a checkpoint there; the reason recorded is the
-    agreed signal, else --stop_after_steps (none for a run that trained to its end), unless the template gives its
-    own `reason` (early stopping). The stop line is the last one, after W&B's; on stderr when the run exits 75,
-    whose stderr tail `accelerate launch` shows."""
+    """What every run does last: record how it ended (status.json, W&B), close the process group, say why it stopped
+    (last, after W&B's line; on stderr when it exits 75, which `accelerate launch` shows) and exit 75 when it must come
+    back. `stopping`: it stopped for a stop signal or --stop_after_steps and checkpointed there; the reason recorded
+    is the agreed signal, else --stop_after_steps, unless the template gives its own `reason` (early stopping)."""
     if reason is None:
         reason = (preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps") if stopping else ""
     requeue = stopping and preemption.requeue
@@ -241,9 +229,8 @@ def end_run(accelerator: Accelerator, *, status, tracker, preemption: Preemption
 
 
 def check_output_dir(path: str | os.PathLike, option: str = "--output_dir") -> None:
-    """Refuse an output folder that is a file, or that cannot be created or written, before anything is written.
-    It only looks (os.access, no probe file), so a refused command leaves no trace; what even root cannot write (a
-    read-only file system) is refused for root too."""
+    """Refuse an output folder that is a file, or that cannot be created or written, before anything is written; by
+    looking only (os.access, no probe file: a refused command leaves no trace; a read-only file system refuses root)."""
     target = existing = Path(path)
     try:
         while not existing.exists() and existing != existing.parent:
@@ -318,8 +305,8 @@ def _enable_fsdp2_on_cpu(accelerator: Accelerator) -> None:
 
 def describe(accelerator: Accelerator) -> str:
     """One line for the log: what kind of job this is."""
-    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-    kind = "" if kind == "NO" else f" ({kind})"  # accelerate's name for one process, which reads as a refusal
+    kind = accelerator.distributed_type.value  # "NO" for one process, which reads as a refusal: left out
+    kind = "" if kind == "NO" else f" ({kind})"
     return (f"{accelerator.num_processes} process{'es' * (accelerator.num_processes > 1)} on {accelerator.device.type}"
             f"{kind}, mixed precision {accelerator.mixed_precision}, gradient accumulation "
             f"{accelerator.gradient_accumulation_steps}")
@@ -376,18 +363,14 @@ class Throughput:
 
     def timed(self, batches):
         """`batches`, counting each one and timing how long the loop waits for it."""
-        iterator = iter(batches)
-        while True:
-            asked = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
+        asked = time.perf_counter()
+        for batch in batches:
             self.waited += time.perf_counter() - asked
             self.batches += 1
             count = self.items_per_micro_batch
             self.items += count(batch) if callable(count) else count  # a device tensor stays on the device
             yield batch
+            asked = time.perf_counter()
 
     def read(self) -> dict[str, float]:
         """The figures since the last reading (see the class); the next interval starts."""

@@ -112,10 +112,9 @@ IN_HOST_MEMORY = ("cpu",)  # devices whose training state is in host memory alre
 def snapshot_state(accelerator: Accelerator, folder: Path, host_copy: HostCopy, copy: bool = True) -> Snapshot:
     """What accelerate's save_state would write into `folder` on this rank, copied to host memory now (the part of a
     background save at the step), for a run `cannot_mirror` accepts. `copy` False (nothing trains after this save):
-    the state dicts as they are, `host_copy`'s buffers let go: one copy of the state in host memory, not two. On a
-    device IN_HOST_MEMORY (without FSDP) the parameters and optimizer state are written as they are too, and the
-    next optimizer step waits for the write (`Snapshot.in_place`); the rest (buffers, which forward may change:
-    batch norm's statistics) is copied."""
+    the state dicts as they are, `host_copy`'s buffers let go. On a device IN_HOST_MEMORY (without FSDP) parameters
+    and optimizer state as they are too, the next optimizer step waiting for the write; buffers (which forward may
+    change) copied."""
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options, _unwrap_optimizer
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
