@@ -70,12 +70,13 @@ def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
 
 
 class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
-    """A loader worker forked with stop signals blocked (as in the forking thread), ending with its training process."""
+    """A loader worker forked with stop signals blocked, ending with its training process."""
 
     def start(self) -> None:
         self._forked_by = os.getpid()
         self._forked_on_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # this thread only, for the fork
+        # This thread only, for the fork; the child keeps SIGINT blocked: it leaves a Ctrl-C to its training process
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, signal.SIGINT))
         try:
             super().start()
         finally:
