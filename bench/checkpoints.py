@@ -324,9 +324,10 @@ NOTES = """
   times vary); `os.sync()` before every save; loads come from the page cache, for both.
 - The fair baseline for save is the durable one (fsync + rename, as the manager does); the one
   without fsync is shown for reference: it returns before the data is on disk.
-- Lost time in the background is the copy to host memory at the step plus what the writing thread takes
-  from training (here the two share 2 CPU cores and Python's lock; on a GPU machine the training thread
-  mostly waits for the GPU).
+- Lost time in the background: on the CPU (here) what the writing thread takes from training (the two share
+  2 CPU cores and Python's lock) and any wait of the next optimizer step for the write, which writes the state
+  in place; on a GPU the copy to host memory at the step instead (there the training thread mostly waits for
+  the GPU).
 """
 
 
