@@ -225,12 +225,13 @@ class CheckpointManager:
             self._pending.failed_somewhere = True
 
     def restore_best(self, state: TrainingState) -> int:
-        """Load the best checkpoint's weights (and the optimizer, scheduler and RNG it holds) into the prepared
-        objects, for an export of the best weights at the end of a run; `state` is left as it is. Returns the
-        step of the weights now in the model: the last step's where they are the best, or no best was recorded."""
+        """Load the best checkpoint (its weights, for an export at the end of a run; `state` left as it is); the step of
+        the weights now in the model: the last step's where they are the best, or no best was recorded."""
         self.wait()
         if state.best_step in (None, state.step):
             return state.step
+        for optimizer in self.accelerator._optimizers if self.accelerator.distributed_type != "FSDP" else []:
+            optimizer.optimizer.state.clear()  # the loaded state replaces it: not both at once (FSDP's loads in place)
         self.accelerator.load_state(str(self.dir / f"best_step_{state.best_step:08d}"))
         return state.best_step
 

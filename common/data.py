@@ -61,8 +61,7 @@ def ignore_stop_signals_from_others() -> None:
 
 
 def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
-    """In a process just forked by `parent`: die with `parent`, also if it died already. PR_SET_PDEATHSIG fires when
-    the forking thread ends, so it is set only for a fork from the main thread."""
+    """In a process just forked by `parent`: die with it, also if it died already (PDEATHSIG: main thread only)."""
     if forked_on_main_thread and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:
