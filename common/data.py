@@ -68,6 +68,19 @@ def end_with_parent(parent: int, forked_on_main_thread: bool) -> None:
         os._exit(1)
 
 
+def _wait_for_the_thread_state_lock() -> None:
+    """Before a fork: wait until no thread holds CPython's thread-state lock. CPython 3.11 and older, until patch
+    releases of late 2024 (gh-112275), take it in the child before they reset it: a child forked while another thread
+    holds it hangs for good. Native threads take it without the GIL whenever they touch a Python object: gloo's and
+    NCCL's do after every collective, just before a loader starts its workers. Signalling a thread id no thread has
+    takes the lock and nothing else."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(0), None)
+
+
+if sys.version_info < (3, 12) and sys.implementation.name == "cpython":  # runs right before fork(), in the parent
+    os.register_at_fork(before=_wait_for_the_thread_state_lock)
+
+
 class _ShieldedForkProcess(multiprocessing.context.ForkProcess):
     """A loader worker forked with stop signals blocked, ending with its training process."""
 

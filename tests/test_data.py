@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -31,7 +33,7 @@ from common.data import (
 )
 from common.errors import UsageError
 from conftest import CONFIGS, REPO, clean_env, free_port, launch, processes_mentioning, reset_accelerate_state
-from conftest import wait_for_no_processes
+from conftest import run_to_end, wait_for_no_processes
 
 CPU = torch.device("cpu")
 
@@ -264,6 +266,72 @@ def test_a_worker_forked_from_another_thread_ends_with_its_process_killed_while_
         process.kill()
         for line in processes_mentioning(str(script)):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+HOLD_THREAD_STATE_LOCK = r"""
+#define Py_BUILD_CORE 1
+#include <Python.h>
+#include "internal/pycore_runtime.h"
+#include <pthread.h>
+#include <unistd.h>
+
+/* What gloo's threads do after a collective, stretched: a thread with no Python state takes CPython's thread-state
+   lock without the GIL (to make itself a state) and, here, keeps it for a while. */
+static volatile int held;
+static double seconds;
+
+static void *hold(void *unused) {
+    PyThread_acquire_lock(_PyRuntime.interpreters.mutex, WAIT_LOCK);
+    held = 1;
+    usleep((useconds_t)(seconds * 1e6));
+    PyThread_release_lock(_PyRuntime.interpreters.mutex);
+    return NULL;
+}
+
+int hold_thread_state_lock(double duration) {
+    pthread_t thread;
+    seconds = duration;
+    if (pthread_create(&thread, NULL, hold, NULL)) return -1;
+    pthread_detach(thread);
+    while (!held) usleep(100);
+    return 0;
+}
+"""
+
+FORK_WHILE_HELD = """
+import ctypes, sys
+import torch
+from torch.utils.data import TensorDataset
+sys.path.insert(0, {repo!r})
+from common.data import build_loader
+
+loader = build_loader(TensorDataset(torch.arange(8)), batch_size=2, train=False, seed=0, device=torch.device("cpu"),
+                      num_workers=1)
+loader.timeout = 60  # a worker hung in its fork sends nothing: fail rather than wait for good
+holder = ctypes.CDLL({library!r})
+holder.hold_thread_state_lock.argtypes = [ctypes.c_double]
+assert holder.hold_thread_state_lock(1.0) == 0
+print("samples", sum(len(batch[0]) for batch in loader))
+"""
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12) or sys.implementation.name != "cpython" or shutil.which("gcc") is None,
+                    reason="CPython 3.11 and older with a C compiler (3.12 resets the lock in the child first)")
+def test_a_worker_forked_while_a_native_thread_holds_the_thread_state_lock_starts(tmp_path):
+    """CPython 3.11.7 hung a loader worker inside os.fork() (gh-112275: the child takes the thread-state lock before
+    resetting it). Seen in a 2-rank run: a gloo thread took that lock, without the GIL, as the evaluation loader forked.
+    Here a native thread holds it for a second while the loader forks its worker: the worker must start and serve."""
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "internal" / "pycore_runtime.h").exists():
+        pytest.skip("no CPython internal headers")
+    source, library = tmp_path / "hold.c", tmp_path / "hold.so"
+    source.write_text(HOLD_THREAD_STATE_LOCK)
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-I{include}", str(source), "-o", str(library), "-lpthread"],
+                   check=True, capture_output=True)
+    script = tmp_path / "fork_while_held.py"
+    script.write_text(FORK_WHILE_HELD.format(repo=str(REPO), library=str(library)))
+    result = run_to_end([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), timeout=120)
+    assert result.returncode == 0 and "samples 8" in result.stdout, result.stderr[-3000:]
 
 
 def test_batch_size_checked():
