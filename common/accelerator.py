@@ -34,7 +34,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType, FullySha
 from common.background_save import finish_background_saves
 from common.checkpoint import CheckpointManager
 from common.data import STOP_SIGNALS
-from common.errors import EXIT_PREEMPTED, StoppedBeforeTraining, UsageError
+from common.errors import EXIT_PREEMPTED, StoppedBeforeTraining, UsageError, ignore_ctrl_c
 from common.tracking import say, sweep_run_dir
 
 if dist.is_available():
@@ -214,7 +214,9 @@ def end_run(accelerator: Accelerator, *, status, tracker, preemption: Preemption
     """What every run does last: record how it ended (status.json, W&B), close the process group, say why it stopped
     (last, after W&B's line; on stderr when it exits 75, which `accelerate launch` shows) and exit 75 when it must come
     back. `stopping`: it stopped for a stop signal or --stop_after_steps and checkpointed there; the reason recorded
-    is the agreed signal, else --stop_after_steps, unless the template gives its own `reason` (early stopping)."""
+    is the agreed signal, else --stop_after_steps, unless the template gives its own `reason` (early stopping). A
+    Ctrl-C is ignored from here on (`ignore_ctrl_c`; `with_exit_codes` gives it back as main() returns)."""
+    ignore_ctrl_c()
     if reason is None:
         reason = (preemption.stop_reason() if preemption.stop_agreed else "--stop_after_steps") if stopping else ""
     requeue = stopping and preemption.requeue

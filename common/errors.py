@@ -3,6 +3,7 @@ wall), and `<output_dir>/status.json`, the end state that survives any launcher.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import json
@@ -209,6 +210,13 @@ def _stopped(stop: KeyboardInterrupt, interrupted: str) -> None:
     sys.exit(stop.exit_code)
 
 
+def ignore_ctrl_c() -> None:
+    """From the run's end (`end_run`: it is recorded) to main()'s return, and from the interpreter's exit: a Ctrl-C
+    would only strike the teardown (loader workers being joined, exit handlers) in a traceback."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Callable[[], None] | None = None) -> F:
     """Run `main`; turn the errors a user can act on into `error: <message>` on stderr and an exit code. UsageError or
     running out of memory -> 2, NonFiniteError -> 3, SaveError or a full disk -> 4 (printed once per machine, as every
@@ -220,6 +228,7 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        ctrl_c = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
         try:
             result = reported(*args, **kwargs)
         except SystemExit as error:  # ours below (already recorded), or a template's exit code
@@ -233,6 +242,10 @@ def with_exit_codes(main: F | None = None, *, interrupted: str = "", release: Ca
             raise
         finally:
             at_failure(None)
+            if ctrl_c is not None:  # a caller that goes on (a notebook) gets Ctrl-C back, until the interpreter exits
+                signal.signal(signal.SIGINT, ctrl_c)
+                atexit.unregister(ignore_ctrl_c)
+                atexit.register(ignore_ctrl_c)  # the last registered: the first exit handler to run
         _release_process_group(release)
         return result
 

@@ -29,6 +29,9 @@ steps of this session) and, on the chosen rank (default: every rank), at FAULT_S
     nan_grad   after the backward passes of step FAULT_STEP (the gradients synchronised across ranks), just
                before clipping, the biggest gradient of this process is made NaN: a non-finite gradient on
                this rank alone (under DDP the other ranks' gradients stay finite)
+    signal_at_exit  send FAULT_SIGNAL to the whole process group as the first loader's workers are shut down (at
+               main()'s end) and again from an exit handler, each then taking 2 s more (a slow teardown); FAULT_STEP
+               is not used
     slow_save  the write phase of the first checkpoint save at a step >= FAULT_STEP (in the background: the
                writer thread) waits until the template starts its export, or FAULT_SLOW_S seconds (default 5):
                a template that exports without waiting for the save shows it in `events`
@@ -44,6 +47,7 @@ export function was called).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import importlib.util
 import json
@@ -317,6 +321,24 @@ if FAULT == "inf_loss":
         return accelerator
 
     accelerator_module.build_accelerator = build_fp16_accelerator
+
+if FAULT == "signal_at_exit" and ACTS:
+    def signal_during_the_teardown() -> None:
+        name = os.environ.get("FAULT_SIGNAL", "TERM")
+        subprocess.run(["sh", "-c", f"kill -s {name} -- -{os.getpgid(0)}"], check=False)
+        time.sleep(2)
+
+    loader_iterator = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+    real_shutdown = loader_iterator._shutdown_workers
+
+    def shutdown_workers(self, *args, **kwargs):  # at main()'s end, persistent workers are ended here
+        if not calls["fired"]:
+            calls["fired"] = True
+            signal_during_the_teardown()
+        return real_shutdown(self, *args, **kwargs)
+
+    loader_iterator._shutdown_workers = shutdown_workers
+    atexit.register(signal_during_the_teardown)  # and again as the interpreter exits
 
 record()
 try:

@@ -83,6 +83,15 @@ END_OF = {  # how the loop ended -> (status.json's state, its reason, the exit c
 }
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_given_back():
+    """end_run ignores Ctrl-C until main() returns, where with_exit_codes gives it back; called alone here, the test
+    gives it back."""
+    previous = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("end", sorted(END_OF))
 def test_end_run_records_how_the_run_ended_and_why_from_the_agreed_stop(run, tmp_path, monkeypatch, capsys, end):
     monkeypatch.delenv("WANDB_SWEEP_ID", raising=False)

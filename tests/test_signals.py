@@ -115,6 +115,21 @@ def test_a_launcher_killed_stops_its_run_as_a_preemption(tmp_path, processes):
     assert read_status(output)["state"] == "finished"
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_ctrl_c_after_the_run_ended_ends_its_processes_without_a_traceback(tmp_path, processes):
+    """Ctrl-C in the terminal once the run has ended (status.json `finished`), while its processes tear down (here
+    as main() ends its loaders' workers, and again as the interpreter exits, each 2 s longer than usual): the teardown
+    goes on to its end, with no traceback. Before, the KeyboardInterrupt struck inside it: "Exception ignored in:
+    <function _MultiProcessingDataLoaderIter.__del__ ...>" and its traceback (stress_signals, lm-ddp)."""
+    result, output = launch_with_fault(tmp_path, processes, "signal_at_exit", step=0, max_steps=6, signal_name="INT")
+    # the launcher: 130 as it answers its own Ctrl-C; torchrun's agent may see its ranks end first
+    assert result.returncode == 130 if processes == 1 else result.returncode in (0, 130), result.stderr[-3000:]
+    record = read_status(output)
+    assert (record["state"], record["step"], record["exit_code"]) == ("finished", 6, 0), record
+    assert "Exception ignored" not in result.stderr + result.stdout, result.stderr[-3000:]
+    assert_clean_end(result, output)
+
+
 def test_a_launch_past_its_timeout_fails_with_the_stacks_of_its_processes_and_leaves_none(tmp_path):
     """The suite tells a hang from slowness: a run that passes its timeout fails its test with every process's stacks
     (py-spy where installed, else the templates' faulthandler on SIGUSR2), and all of them are killed."""
