@@ -181,11 +181,17 @@ def children_commands() -> list[bytes]:
 SIGNAL_FAULTS = ("signal", "signal_launcher", "signal_group")
 
 
+def signal_the_group() -> None:
+    """FAULT_SIGNAL to this process's whole process group, from another process, as a terminal's or scancel's (the
+    workers know the pid)."""
+    subprocess.run(["sh", "-c", f"kill -s {os.environ.get('FAULT_SIGNAL', 'TERM')} -- -{os.getpgid(0)}"], check=False)
+
+
 def send_stop_signal() -> None:
     calls["fired"] = True
     signum = getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM"))
-    if FAULT == "signal_group":  # from another process, as a terminal's or scancel's (the workers know the pid)
-        subprocess.run(["sh", "-c", f"kill -s {signum.name[3:]} -- -{os.getpgid(0)}"], check=False)
+    if FAULT == "signal_group":
+        signal_the_group()
         wait_for_the_launcher()
     else:
         os.kill(os.getpid() if FAULT == "signal" else os.getppid(), signum)
@@ -324,8 +330,7 @@ if FAULT == "inf_loss":
 
 if FAULT == "signal_at_exit" and ACTS:
     def signal_during_the_teardown() -> None:
-        name = os.environ.get("FAULT_SIGNAL", "TERM")
-        subprocess.run(["sh", "-c", f"kill -s {name} -- -{os.getpgid(0)}"], check=False)
+        signal_the_group()
         time.sleep(2)
 
     loader_iterator = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
